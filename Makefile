@@ -1,0 +1,38 @@
+# ProxyDML: two commands on a fresh machine.
+#   make demo  - creates .venv, installs, trains the default recipe on a local Ray cluster
+#   make test  - creates .venv, installs, runs the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: demo test install lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch/torchvision first and alone: pip takes them from the local wheel store.
+	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install --quiet -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/proxydml train $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check proxies pipelines services tests
+
+test: $(STAMP)
+	$(BIN)/ruff check proxies pipelines services tests
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python tests/benchmarks/bench_eval.py
+	$(BIN)/python tests/benchmarks/bench_losses.py
+
+clean:
+	rm -rf runs mlruns .pytest_cache

@@ -1,0 +1,452 @@
+"""One typed configuration for a ProxyDML run.
+
+The same dotted names (``loss.temperature``, ``optim.lr`` ...) are used everywhere: CLI
+overrides, Ray Tune search spaces, MLflow params and the ``config.yaml`` stored with every
+checkpoint. YAML recipes hold only what differs from these defaults.
+
+Validation happens here, before any worker starts, and every error names the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the dotted key."""
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A dataclass field carrying its documentation (shown by ``proxydml config show``)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"doc": text}, **kwargs)
+    return field(default=default, metadata={"doc": text}, **kwargs)
+
+
+@dataclass
+class DataConfig:
+    name: str = doc("dataset: digits | emoji | cub | cars | sop | inshop | folder", "digits")
+    root: str = doc("dataset folder (file-based datasets); empty = the dataset's default", "")
+    batch_size: int = doc("global batch size (split evenly over the workers)", 64)
+    samples_per_class: int = doc(
+        "class-balanced sampling: n samples per class per batch (0 = plain shuffling)", 4
+    )
+    image_size: int = doc("training/eval image side in pixels (0 = the dataset's native size)", 0)
+    loader_workers: int = doc("DataLoader decoding processes per training worker", 0)
+    eval_batch_size: int = doc("batch size when embedding the evaluation set", 256)
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.eval_batch_size", self.eval_batch_size)
+        _non_negative("data.samples_per_class", self.samples_per_class)
+        _non_negative("data.image_size", self.image_size)
+        _non_negative("data.loader_workers", self.loader_workers)
+        if self.samples_per_class == 1:
+            raise ConfigError("data.samples_per_class: 1 gives no positives; use 0 or >= 2")
+        if self.samples_per_class and self.batch_size % self.samples_per_class:
+            raise ConfigError(
+                f"data.batch_size ({self.batch_size}) must be a multiple of "
+                f"data.samples_per_class ({self.samples_per_class})"
+            )
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = doc("backbone: convnet | efficientnet_lite0 | resnet50 | bninception", "convnet")
+    weights: str = doc("path to backbone weights ('' = packaged/none)", "")
+    width: int = doc("channel width of the small convnet backbone", 32)
+    pooling: str = doc("global pooling: avg | max | avg+max", "avg")
+    layer_norm: bool = doc("LayerNorm without affine on the pooled features (ProxyNCA++)", False)
+    embedding_dim: int = doc("embedding size", 64)
+    frozen_bn: bool = doc("keep BatchNorm statistics and affine frozen", False)
+
+    def __post_init__(self) -> None:
+        _choice("model.backbone", self.backbone, BACKBONES)
+        _choice("model.pooling", self.pooling, ("avg", "max", "avg+max"))
+        _positive("model.embedding_dim", self.embedding_dim)
+        _positive("model.width", self.width)
+
+
+BACKBONES = ("convnet", "efficientnet_lite0", "resnet50", "bninception")
+
+
+@dataclass
+class LossConfig:
+    name: str = doc(
+        "loss: norm_softmax | proxy_nca | proxy_nca_pp | proxy_anchor | proxy_isa", "proxy_anchor"
+    )
+    temperature: float | None = doc("softmax temperature (Norm-Softmax, ProxyNCA, ProxyNCA++)", None)
+    alpha: float | None = doc("Proxy-Anchor/ISA scale alpha", None)
+    delta: float | None = doc("Proxy-Anchor/ISA margin delta", None)
+    V: float | None = doc("Proxy-ISA effective-number ceiling V (> 1)", None)
+    k: float | None = doc("Proxy-ISA search-length slope k", None)
+    lam: float | None = doc("Proxy-ISA search-length offset lambda", None)
+    h: float | None = doc("Proxy-ISA learned-similarity factor h", None)
+    tau: float | None = doc("Proxy-ISA decay offset tau", None)
+    memory_size: int | None = doc("Proxy-ISA memory queue size", None)
+    memory_start_epoch: int = doc("Proxy-ISA: epoch (0-based) the memory starts; filter one later", 2)
+
+    def __post_init__(self) -> None:
+        _positive_if_set("loss.temperature", self.temperature)
+        _positive_if_set("loss.alpha", self.alpha)
+        _non_negative_if_set("loss.delta", self.delta)
+        if self.V is not None and self.V <= 1:
+            raise ConfigError(f"loss.V must be > 1, got {self.V}")
+        _non_negative_if_set("loss.k", self.k)
+        _non_negative_if_set("loss.lam", self.lam)
+        _non_negative_if_set("loss.h", self.h)
+        _positive_if_set("loss.memory_size", self.memory_size)
+        _non_negative("loss.memory_start_epoch", self.memory_start_epoch)
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        """The loss's constructor arguments that are set (None = the loss's own default)."""
+        names = ("temperature", "alpha", "delta", "V", "k", "lam", "h", "tau", "memory_size")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass
+class SynthesisConfig:
+    enabled: bool = doc("wrap the loss in Proxy Synthesis", False)
+    alpha: float = doc("Beta(alpha, alpha) for the mixing coefficient lambda", 0.4)
+    mu: float = doc("ratio of synthetic samples per batch", 1.0)
+
+    def __post_init__(self) -> None:
+        _positive("synthesis.alpha", self.alpha)
+        _non_negative("synthesis.mu", self.mu)
+
+
+@dataclass
+class OptimConfig:
+    name: str = doc("optimiser: adamw | adam | sgd", "adamw")
+    lr: float = doc("learning rate of backbone and head", 1e-3)
+    weight_decay: float = doc("weight decay", 1e-4)
+    eps: float = doc("Adam epsilon (ProxyNCA++ uses 1.0)", 1e-8)
+    proxy_lr_multiplier: float = doc("proxy lr = lr * this (fast-moving proxies)", 100.0)
+    proxy_weight_decay: float = doc("weight decay on the proxies", 0.0)
+    grad_clip_value: float = doc("clip gradients by value (0 = off)", 0.0)
+    warmup_epochs: int = doc("epochs with the backbone frozen (head and proxies train)", 0)
+    scheduler: str = doc("lr schedule: none | cosine | step", "none")
+    step_size: int = doc("step schedule: epochs between decays", 10)
+    gamma: float = doc("step schedule: decay factor", 0.5)
+
+    def __post_init__(self) -> None:
+        _choice("optim.name", self.name, ("adamw", "adam", "sgd"))
+        _choice("optim.scheduler", self.scheduler, ("none", "cosine", "step"))
+        _positive("optim.lr", self.lr)
+        _non_negative("optim.weight_decay", self.weight_decay)
+        _positive("optim.eps", self.eps)
+        _positive("optim.proxy_lr_multiplier", self.proxy_lr_multiplier)
+        _non_negative("optim.proxy_weight_decay", self.proxy_weight_decay)
+        _non_negative("optim.grad_clip_value", self.grad_clip_value)
+        _non_negative("optim.warmup_epochs", self.warmup_epochs)
+        _positive("optim.step_size", self.step_size)
+        _positive("optim.gamma", self.gamma)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = doc("number of epochs", 4)
+    seed: int = doc("seed of every random choice (data order, init, Proxy Synthesis)", 0)
+    max_steps_per_epoch: int = doc("cap on steps per epoch (0 = a full pass)", 0)
+    recall_ks: list[int] = doc("Recall@K values reported", [1, 2, 4, 8])
+    nmi: bool = doc("also compute NMI (k-means) at evaluation", False)
+    log_every: int = doc("print the running loss every N steps (0 = per epoch only)", 0)
+
+    def __post_init__(self) -> None:
+        _positive("train.epochs", self.epochs)
+        _non_negative("train.seed", self.seed)
+        _non_negative("train.max_steps_per_epoch", self.max_steps_per_epoch)
+        _non_negative("train.log_every", self.log_every)
+        if not self.recall_ks or any(not isinstance(k, int) or k < 1 for k in self.recall_ks):
+            raise ConfigError(f"train.recall_ks must be positive integers, got {self.recall_ks}")
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = doc("Ray Train workers (data-parallel ranks)", 2)
+    use_gpu: str = doc("auto | true | false: one GPU per worker when true", "auto")
+    cpus_per_worker: float = doc("logical CPUs reserved per worker", 1.0)
+    max_failures: int = doc("worker failures tolerated (restart from the last checkpoint)", 0)
+
+    def __post_init__(self) -> None:
+        _positive("scaling.num_workers", self.num_workers)
+        _choice("scaling.use_gpu", self.use_gpu, ("auto", "true", "false"))
+        if self.cpus_per_worker <= 0:
+            raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        _non_negative("scaling.max_failures", self.max_failures)
+
+
+@dataclass
+class TrackingConfig:
+    tracking_uri: str = doc("MLflow tracking URI ('' = $MLFLOW_TRACKING_URI or ./mlruns sqlite)", "")
+    experiment: str = doc("MLflow experiment ('' = proxydml-<dataset>)", "")
+    storage_path: str = doc("Ray Train storage ('' = ./runs)", "")
+    run_name: str = doc("run name ('' = derived from the config hash)", "")
+
+    def __post_init__(self) -> None:
+        if "://" in self.storage_path and not self.storage_path.startswith(("s3://", "file://")):
+            raise ConfigError(f"tracking.storage_path: unsupported scheme in {self.storage_path!r}")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    synthesis: SynthesisConfig = field(default_factory=SynthesisConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.batch_size % self.scaling.num_workers:
+            raise ConfigError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by "
+                f"scaling.num_workers ({self.scaling.num_workers})"
+            )
+        _check_loss(self.loss)
+
+    # -- conversions ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted ``section.key -> value`` (MLflow params, Tune keys)."""
+        return {
+            f"{section}.{key}": value
+            for section, values in self.to_dict().items()
+            for key, value in values.items()
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def experiment_hash(self) -> str:
+        """Hash of what defines the experiment (not where or on how many workers it runs).
+
+        Scaling and tracking are left out on purpose: the same run resumes on a different
+        number of workers, and the epoch count is left out so a finished run can be
+        extended by starting it again with more epochs.
+        """
+        d = self.to_dict()
+        d.pop("scaling")
+        d.pop("tracking")
+        d["train"].pop("epochs")
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    def run_name(self) -> str:
+        """Deterministic run name: Ray resumes a run by this name, so never a timestamp."""
+        if self.tracking.run_name:
+            return self.tracking.run_name
+        ps = "-ps" if self.synthesis.enabled else ""
+        return f"{self.data.name}-{self.loss.name}{ps}-s{self.train.seed}-{self.experiment_hash()}"
+
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or f"proxydml-{self.data.name}"
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "data": DataConfig, "model": ModelConfig, "loss": LossConfig, "synthesis": SynthesisConfig,
+    "optim": OptimConfig, "train": TrainConfig, "scaling": ScalingConfig,
+    "tracking": TrackingConfig,
+}
+
+
+# -- validation helpers -------------------------------------------------------------------
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def _positive_if_set(key: str, value: float | None) -> None:
+    if value is not None:
+        _positive(key, value)
+
+
+def _non_negative_if_set(key: str, value: float | None) -> None:
+    if value is not None:
+        _non_negative(key, value)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_loss(loss: LossConfig) -> None:
+    # The loss library is the single source of truth for names and parameters.
+    from proxies import LOSSES, loss_parameters
+
+    if loss.name not in LOSSES:
+        raise ConfigError(f"loss.name: unknown loss {loss.name!r}; known: {', '.join(LOSSES)}")
+    accepted = loss_parameters(loss.name)
+    for key in loss.hyper_parameters():
+        if key not in accepted:
+            raise ConfigError(f"loss.{key} is not a parameter of loss {loss.name!r}")
+
+
+# -- building ------------------------------------------------------------------------------
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type, or raise naming the key."""
+    hint = annotation
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(key, v, item) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return "" if value is None else str(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _section_hints(section_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_type)
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Build and validate a Config from a nested dict holding only non-default values."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(values).__name__}")
+    sections: dict[str, Any] = {}
+    for section, section_values in values.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"unknown config section {section!r}; known: {', '.join(_SECTION_TYPES)}")
+        if section_values is None:
+            continue
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"{section}: expected a mapping, got {section_values!r}")
+        cls = _SECTION_TYPES[section]
+        hints = _section_hints(cls)
+        kwargs = {}
+        for key, value in section_values.items():
+            if key not in hints:
+                raise ConfigError(f"unknown config key {section}.{key}")
+            kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+        sections[section] = cls(**kwargs)
+    return Config(**sections)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["loss.alpha=16", "train.epochs=3"]`` -> nested dict (values kept as strings/YAML)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override key {key!r} must look like section.key")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        nested.setdefault(parts[0], {})[parts[1]] = value
+    return nested
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def resolve_recipe(recipe: str | Path) -> Path:
+    """A recipe is a YAML path or the name of a file under ``pipelines/configs``."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    for candidate in (CONFIG_DIR / f"{recipe}.yaml", CONFIG_DIR / str(recipe)):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config file {recipe!r} not found (recipes: {known})")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return data
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Recipe (optional) + dotted overrides -> a validated Config."""
+    values: dict[str, Any] = load_yaml(resolve_recipe(recipe)) if recipe else {}
+    values = merge(values, parse_overrides(overrides or []))
+    return from_dict(values)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(dotted key, type, doc) for every field, for help output."""
+    rows = []
+    for section, cls in _SECTION_TYPES.items():
+        hints = _section_hints(cls)
+        for f in dataclasses.fields(cls):
+            rows.append((f"{section}.{f.name}", str(hints[f.name]), f.metadata.get("doc", "")))
+    return rows

@@ -1,0 +1,134 @@
+"""Datasets and batch samplers.
+
+Every dataset yields ``(image: FloatTensor[C, H, W], label: int, index: int)``. Training labels
+are contiguous ``0..C-1`` (they index the proxies); evaluation labels only need to compare
+equal within the evaluation set. ``build_datasets`` is the one entry point the train loop uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from pipelines.config import ConfigError, DataConfig
+from pipelines.data.samplers import BatchSampler, ClassBalancedBatchSampler, ShuffleBatchSampler
+
+
+class DataError(ValueError):
+    """A dataset cannot be used as configured; the message names the file or the problem."""
+
+
+class TensorImageDataset(Dataset):
+    """In-memory images: ``images`` (N, C, H, W) float, ``labels`` (N,) long."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, name: str = "") -> None:
+        if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(f"{name}: images must be (N, C, H, W) and labels (N,)")
+        self.images = images
+        self.labels = labels.long()
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        return self.images[index], int(self.labels[index]), index
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()
+
+
+@dataclass
+class DataSplit:
+    """Training set (seen classes) and evaluation set (unseen classes)."""
+
+    train: Dataset
+    test: Dataset
+    num_classes: int
+    # Optional In-Shop style split: indices into ``test`` used as queries / gallery.
+    query_indices: list[int] | None = None
+    gallery_indices: list[int] | None = None
+
+
+def dataset_labels(dataset: Dataset) -> list[int]:
+    """Labels of a dataset without decoding its images."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        raise DataError(f"dataset {type(dataset).__name__} exposes no .targets")
+    return list(targets)
+
+
+def check_split(split: DataSplit, name: str) -> DataSplit:
+    """Refuse datasets that cannot train or evaluate a metric-learning model."""
+    train_classes = set(dataset_labels(split.train))
+    test_classes = set(dataset_labels(split.test))
+    if len(train_classes) < 2:
+        raise DataError(f"dataset {name!r}: training split has {len(train_classes)} class(es); need >= 2")
+    if len(test_classes) < 2:
+        raise DataError(f"dataset {name!r}: evaluation split has {len(test_classes)} class(es); need >= 2")
+    if train_classes != set(range(split.num_classes)):
+        raise DataError(f"dataset {name!r}: training labels must be 0..{split.num_classes - 1}")
+    return split
+
+
+def _digits(cfg: DataConfig) -> DataSplit:
+    """scikit-learn's 8x8 handwritten digits: train on 0-4, evaluate on the unseen 5-9."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    if cfg.image_size and cfg.image_size != 8:
+        images = torch.nn.functional.interpolate(images, size=cfg.image_size, mode="bilinear")
+    seen = labels < 5
+    return DataSplit(
+        train=TensorImageDataset(images[seen], labels[seen], "digits/train"),
+        test=TensorImageDataset(images[~seen], labels[~seen], "digits/test"),
+        num_classes=5,
+    )
+
+
+def _folder(cfg: DataConfig) -> DataSplit:
+    from pipelines.data.folder import image_folder
+
+    train, test = image_folder(cfg)
+    return DataSplit(train=train, test=test, num_classes=len(train.classes))
+
+
+DATASETS = {"digits": _digits, "folder": _folder}
+
+
+def build_datasets(cfg: DataConfig) -> DataSplit:
+    """Build the train/eval split named by ``cfg.name`` and check it."""
+    if cfg.name not in DATASETS:
+        raise ConfigError(f"data.name: unknown dataset {cfg.name!r}; known: {', '.join(DATASETS)}")
+    return check_split(DATASETS[cfg.name](cfg), cfg.name)
+
+
+def build_batch_sampler(
+    labels: list[int], cfg: DataConfig, *, rank: int, world_size: int, seed: int
+) -> BatchSampler:
+    """The per-rank view of the global batch stream (same global batches for any W)."""
+    if cfg.samples_per_class:
+        return ClassBalancedBatchSampler(
+            labels, cfg.batch_size, cfg.samples_per_class, rank=rank, world_size=world_size, seed=seed
+        )
+    return ShuffleBatchSampler(len(labels), cfg.batch_size, rank=rank, world_size=world_size, seed=seed)
+
+
+__all__ = [
+    "DATASETS",
+    "BatchSampler",
+    "ClassBalancedBatchSampler",
+    "DataError",
+    "DataSplit",
+    "ShuffleBatchSampler",
+    "TensorImageDataset",
+    "build_batch_sampler",
+    "build_datasets",
+    "check_split",
+    "dataset_labels",
+]

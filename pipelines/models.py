@@ -1,0 +1,77 @@
+"""Embedding model: backbone feature map -> global pooling -> optional LayerNorm -> linear head.
+
+Backbones are registered in ``BACKBONES`` (name -> builder returning ``(module, channels)``);
+the module maps images (N, 3|1, H, W) to feature maps (N, channels, h, w).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipelines.config import ModelConfig
+
+
+def _convnet(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
+    """A small VGG-style convnet for tiny images (digits, tests); random init."""
+    w = cfg.width
+
+    def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+    layers = block(in_channels, w, 1) + block(w, 2 * w, 2) + block(2 * w, 2 * w, 1)
+    return nn.Sequential(*layers), 2 * w
+
+
+BackboneBuilder = Callable[[ModelConfig, int], tuple[nn.Module, int]]
+BACKBONES: dict[str, BackboneBuilder] = {"convnet": _convnet}
+
+
+class GlobalPool(nn.Module):
+    """avg | max | avg+max (the sum, as in Proxy-Anchor's code) over the spatial dims."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C, h, w) -> (N, C)
+        if self.mode == "avg":
+            return x.mean(dim=(2, 3))
+        if self.mode == "max":
+            return x.amax(dim=(2, 3))
+        return x.mean(dim=(2, 3)) + x.amax(dim=(2, 3))
+
+
+class EmbeddingModel(nn.Module):
+    """images (N, C, H, W) -> embeddings (N, embedding_dim), not normalised (losses do it)."""
+
+    def __init__(self, cfg: ModelConfig, in_channels: int = 3) -> None:
+        super().__init__()
+        if cfg.backbone not in BACKBONES:
+            raise ValueError(
+                f"model.backbone: {cfg.backbone!r} is not available; known: {', '.join(BACKBONES)}"
+            )
+        self.backbone, channels = BACKBONES[cfg.backbone](cfg, in_channels)
+        self.pool = GlobalPool(cfg.pooling)
+        # ProxyNCA++: LayerNorm without affine parameters on the pooled features.
+        self.norm = nn.LayerNorm(channels, elementwise_affine=False) if cfg.layer_norm else nn.Identity()
+        self.head = nn.Linear(channels, cfg.embedding_dim)
+        self.frozen_bn = cfg.frozen_bn
+        if cfg.frozen_bn:
+            for m in self.backbone.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.requires_grad_(False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.pool(self.backbone(images))))
+
+    def train(self, mode: bool = True) -> EmbeddingModel:
+        super().train(mode)
+        if mode and self.frozen_bn:
+            # Frozen BN (Proxy-Anchor recipe): running stats stay, affine stays (see optimiser).
+            for m in self.backbone.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self

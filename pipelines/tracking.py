@@ -1,0 +1,63 @@
+"""The two small protocols through which the pipeline talks to Ray and MLflow.
+
+``services/`` implements them (Ray Train session, MLflow client); tests and single-process
+runs use the local implementations below. The pipeline never imports Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+
+class Reporter(Protocol):
+    """Reports per-epoch results and hands back the checkpoint to resume from."""
+
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None: ...
+
+
+class Tracker(Protocol):
+    """Experiment tracking, called on rank 0 only."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+
+class NullTracker:
+    """Used on ranks other than 0 and when tracking is off."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+
+class LocalReporter:
+    """Keeps checkpoints in a folder; for single-process runs and tests without Ray."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.history: list[dict[str, float]] = []
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[Path | None]:
+        ckpts = sorted(self.root.glob("checkpoint_*")) if self.root.exists() else []
+        yield ckpts[-1] if ckpts else None
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+        self.history.append(dict(metrics))
+        if checkpoint_dir is not None:
+            dest = self.root / f"checkpoint_{len(list(self.root.glob('checkpoint_*'))):06d}"
+            shutil.copytree(checkpoint_dir, dest)

@@ -1,0 +1,111 @@
+"""The one module of ``services/`` that touches Ray.
+
+Starts (or joins) a Ray cluster, runs the pipeline's training loop on Ray Train V2 workers
+and adapts Ray's session to the pipeline's Reporter protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Keep every Ray process (GCS, raylet, workers, gloo) on loopback; must be set before import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+from ray.train import CheckpointConfig, FailureConfig, RunConfig  # noqa: E402
+from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
+
+from pipelines import train as train_pipeline  # noqa: E402
+from pipelines.config import Config, from_dict  # noqa: E402
+from pipelines.tracking import NullTracker  # noqa: E402
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Join ``address`` (or $RAY_ADDRESS), else start a local cluster on loopback."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # Locally, more logical CPUs than cores: the Train controller and a Tune driver need a
+    # slot each and sit idle most of the time (measured: with 2 slots on 2 cores, trials starve).
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, 4),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def gpu_available() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+class RayReporter:
+    """The pipeline's Reporter on top of the Ray Train session."""
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[Path | None]:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as d:
+            yield Path(d)
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker."""
+    cfg = from_dict(loop_config["config"])
+    tracker = NullTracker()
+    if loop_config.get("mlflow_run_id") and ray.train.get_context().get_world_rank() == 0:
+        from services.mlflow_tracking import MlflowTracker
+
+        tracker = MlflowTracker(loop_config["mlflow_run_id"], loop_config["mlflow_uri"])
+    train_pipeline.run(cfg, RayReporter(), tracker)
+
+
+def storage_path(cfg: Config) -> str:
+    return str(Path(cfg.tracking.storage_path or "runs").resolve())
+
+
+def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None) -> ray.train.Result:
+    """Run (or resume, when a run of the same name exists in storage) one training run."""
+    use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = 1
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers, use_gpu=use_gpu, resources_per_worker=resources
+        ),
+        # nccl on GPUs, gloo on CPUs: chosen by what the workers were given.
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(
+            name=cfg.run_name(),
+            storage_path=storage_path(cfg),
+            failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    return trainer.fit()

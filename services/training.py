@@ -1,0 +1,72 @@
+"""Driver side of one training run: validate, open the MLflow run, fit on Ray, record.
+
+The MLflow run is always closed (FINISHED or FAILED): no run is left RUNNING by an error.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.config import Config
+from pipelines.data import build_datasets
+from services import mlflow_tracking as mt
+from services import runtime
+
+
+@dataclass
+class TrainOutcome:
+    run_name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    checkpoint_path: str | None
+    metrics: dict[str, float]
+    resumed: bool
+
+
+def check_data(cfg: Config) -> int:
+    """Fail on unusable data before any worker starts or any run is opened."""
+    split = build_datasets(cfg.data)
+    per_rank = cfg.data.batch_size // cfg.scaling.num_workers
+    if per_rank < 1:
+        raise ValueError("data.batch_size is smaller than scaling.num_workers")
+    return split.num_classes
+
+
+def train(cfg: Config, *, address: str | None = None) -> TrainOutcome:
+    check_data(cfg)
+    uri = mt.tracking_uri(cfg)
+    run_id, resumed = mt.open_run(cfg, uri)
+    status = "FAILED"
+    try:
+        runtime.ensure_ray(address)
+        result = runtime.fit(cfg, mlflow_run_id=run_id, mlflow_uri=uri)
+        if result.error is not None:
+            raise result.error
+        tracker = mt.MlflowTracker(run_id, uri)
+        ckpt_path = None
+        if result.checkpoint is not None:
+            ckpt_path = result.checkpoint.path
+            with result.checkpoint.as_directory() as d, tempfile.TemporaryDirectory() as tmp:
+                # Final checkpoint and its config.yaml as run artifacts.
+                final = Path(tmp) / "checkpoint"
+                shutil.copytree(d, final)
+                tracker.log_artifacts(final, "checkpoint")
+                tracker.log_artifacts(_config_dir(final), None)
+            tracker.set_tags({"ray_checkpoint_path": ckpt_path})
+        status = "FINISHED"
+        return TrainOutcome(
+            run_name=cfg.run_name(), mlflow_run_id=run_id, tracking_uri=uri,
+            checkpoint_path=ckpt_path, metrics=dict(result.metrics or {}), resumed=resumed,
+        )
+    finally:
+        mt.end_run(run_id, uri, status)
+
+
+def _config_dir(checkpoint: Path) -> Path:
+    d = checkpoint.parent / "config"
+    d.mkdir(exist_ok=True)
+    shutil.copy(checkpoint / "config.yaml", d / "config.yaml")
+    return d

@@ -1,0 +1,70 @@
+"""Bad input through the real CLI: one clear message, exit 2, no MLflow run left RUNNING."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.e2e
+
+
+def proxydml(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=_env())
+
+
+def _env():
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "train.epochz=1"], "unknown config key train.epochz"),
+        (["train", "data.batch_size=big"], "data.batch_size: expected an integer"),
+        (["train", "train.epochs=-2"], "train.epochs must be > 0"),
+        (["train", "data.batch_size=-64"], "data.batch_size must be > 0"),
+        (["train", "loss.name=arcface"], "loss.name: unknown loss 'arcface'"),
+        (["train", "--config", "missing_recipe"], "config file 'missing_recipe' not found"),
+        (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint folder /nonexistent/ckpt does not exist"),
+        (["config", "show", "digits", "model.pooling=median"], "model.pooling must be one of"),
+    ],
+)
+def test_bad_input_gives_one_clear_error(tmp_path, args, message):
+    out = proxydml(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"error: {lines[0].removeprefix('error: ')}"] and message in lines[0], out.stderr
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "runs").exists()
+
+
+def test_dataset_with_one_class_is_refused_before_any_run(tmp_path):
+    root = tmp_path / "imgs"
+    rng = np.random.default_rng(0)
+    for part, classes in (("train", ["a"]), ("test", ["b", "c"])):
+        for c in classes:
+            (root / part / c).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / part / c / f"{i}.png")
+    out = proxydml("train", "data.name=folder", f"data.root={root}", "data.samples_per_class=0",
+                   "data.batch_size=2", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "training split has 1 class(es); need >= 2" in out.stderr
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_config_show_prints_the_resolved_recipe(tmp_path):
+    out = proxydml("config", "show", "proxy_isa_cub", "loss.k=0.4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "name: proxy_isa" in out.stdout and "k: 0.4" in out.stdout
+    assert out.stdout.startswith("# run name: cub-proxy_isa-s0-")
