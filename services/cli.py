@@ -1,4 +1,4 @@
-"""``proxydml`` command line: train, eval, config show.
+"""``proxydml`` command line: train, eval, config show, data build.
 
 Every user error (bad config key or value, missing file, unusable data) ends with one line
 ``error: ...`` on stderr and exit code 2, before anything is started or written.
@@ -53,6 +53,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stack(args: argparse.Namespace) -> int:
+    from services import stack
+
+    try:
+        return stack.cli(args.stack_command, args.state_dir, args.s3_port, args.mlflow_port)
+    except stack.StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_data_build(args: argparse.Namespace) -> int:
+    from pipelines.data.emoji import DEFAULT_ROOT, DESIGNS, build_emoji
+
+    designs = args.designs or list(DESIGNS)
+    out = build_emoji(args.out or DEFAULT_ROOT, designs=designs, size=args.size, tiny=args.tiny,
+                      seed=args.seed, progress=not args.quiet)
+    print(f"built: {out} (train with data.name=emoji data.root={out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxydml", description="Proxy-based deep metric learning on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)
+
+    data_p = sub.add_parser("data", help="build offline data sets")
+    data_sub = data_p.add_subparsers(dest="data_command", required=True)
+    build = data_sub.add_parser("build", help="fetch (npm) and render a data set into an image folder")
+    build.add_argument("dataset", choices=["emoji"], help="the data set to build")
+    build.add_argument("--designs", nargs="+", default=None,
+                       help="emoji designs (default all: google twitter openmoji_color openmoji_black fluent)")
+    build.add_argument("--size", type=int, default=64, help="image side in pixels (default 64)")
+    build.add_argument("--tiny", action="store_true", help="64 classes at 32 px, for tests (seconds)")
+    build.add_argument("--seed", type=int, default=0, help="seed of the class split (default 0)")
+    build.add_argument("--out", default=None, help="output folder (default ./data/emoji)")
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.set_defaults(func=_cmd_data_build)
+
+    st = sub.add_parser("stack", help="local S3-compatible server + MLflow server on 127.0.0.1")
+    st_opts = argparse.ArgumentParser(add_help=False)
+    st_opts.add_argument("--state-dir", default=None, help="pid files, logs, store (default .proxydml/stack)")
+    st_opts.add_argument("--s3-port", type=int, default=None, help="S3 port (default: last used, else 9000)")
+    st_opts.add_argument("--mlflow-port", type=int, default=None, help="MLflow port (default: last used, else 5000)")
+    st_sub = st.add_subparsers(dest="stack_command", required=True)
+    for name, text in (("up", "start the stack (idempotent)"), ("down", "stop the stack"),
+                       ("status", "show each service up/down with its URL")):
+        st_sub.add_parser(name, help=text, parents=[st_opts]).set_defaults(func=_cmd_stack)
     return parser
 
 
