@@ -73,26 +73,43 @@ def set_loss_epoch(loss_fn: nn.Module, epoch: int, cfg: Config) -> None:
 
 
 @torch.no_grad()
-def embed(model: nn.Module, dataset: Dataset, batch_size: int, dev: torch.device, workers: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embed a dataset in eval mode. Returns (N, d) float32 embeddings and (N,) labels."""
+def embed(
+    model: nn.Module, dataset: Dataset, batch_size: int, dev: torch.device, workers: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Embed a dataset in eval mode -> (N, d) float32 embeddings, (N,) labels, (N,) indices."""
     was_training = model.training
     model.eval()
-    embs, labels = [], []
-    for images, y, _ in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
+    embs, labels, indices = [], [], []
+    for images, y, idx in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
         embs.append(model(images.to(dev)).float().cpu())
         labels.append(y)
+        indices.append(idx)
     model.train(was_training)
-    return torch.cat(embs), torch.cat(labels)
+    return torch.cat(embs), torch.cat(labels), torch.cat(indices)
 
 
 def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device) -> dict[str, float] | None:
-    """Each rank embeds every W-th evaluation item; rank 0 computes the metrics."""
-    shard = Subset(split.test, list(range(D.rank(), len(split.test), D.world_size())))
-    emb, labels = embed(D.unwrap(model), shard, cfg.data.eval_batch_size, dev, cfg.data.loader_workers)
-    emb, labels = D.gather_rows(emb.to(dev)).cpu(), D.gather_rows(labels.to(dev)).cpu()
+    """Each rank embeds every W-th evaluation item; rank 0 computes the metrics.
+
+    With a query/gallery split (In-Shop) queries are searched in the gallery; otherwise every
+    item queries all the others.
+    """
+    positions = list(range(D.rank(), len(split.test), D.world_size()))
+    emb, labels, _ = embed(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size, dev,
+                           cfg.data.loader_workers)
+    order = torch.tensor(positions, dtype=torch.long)
+    emb, labels, order = (D.gather_rows(t.to(dev)).cpu() for t in (emb, labels, order))
     if D.rank() != 0:
         return None
-    return retrieval_metrics(emb, labels, recall_ks=tuple(cfg.train.recall_ks), nmi=cfg.train.nmi)
+    # Back to dataset order, whatever the number of ranks.
+    perm = torch.argsort(order)
+    emb, labels = emb[perm], labels[perm]
+    ks = tuple(cfg.train.recall_ks)
+    if split.query_indices is not None and split.gallery_indices is not None:
+        q, g = torch.tensor(split.query_indices), torch.tensor(split.gallery_indices)
+        return retrieval_metrics(emb[g], labels[g], query_embeddings=emb[q], query_labels=labels[q],
+                                 recall_ks=ks, nmi=cfg.train.nmi)
+    return retrieval_metrics(emb, labels, recall_ks=ks, nmi=cfg.train.nmi)
 
 
 def save_checkpoint(

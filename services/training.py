@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.config import Config
-from pipelines.data import build_datasets
+from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels
 from services import mlflow_tracking as mt
 from services import runtime
 
@@ -29,9 +29,11 @@ class TrainOutcome:
 def check_data(cfg: Config) -> int:
     """Fail on unusable data before any worker starts or any run is opened."""
     split = build_datasets(cfg.data)
-    per_rank = cfg.data.batch_size // cfg.scaling.num_workers
-    if per_rank < 1:
-        raise ValueError("data.batch_size is smaller than scaling.num_workers")
+    try:  # the sampler refuses batches the training classes cannot fill
+        build_batch_sampler(dataset_labels(split.train), cfg.data, rank=0, world_size=cfg.scaling.num_workers,
+                            seed=cfg.train.seed)
+    except ValueError as exc:
+        raise DataError(f"data.batch_size/data.samples_per_class: {exc}") from exc
     return split.num_classes
 
 
