@@ -7,6 +7,7 @@ and adapts Ray's session to the pipeline's Reporter protocol.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train V2 re-routes print() through a logger and tees it: every epoch line twice.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 
 import ray  # noqa: E402
 import ray.train  # noqa: E402
@@ -37,12 +40,13 @@ def ensure_ray(address: str | None = None) -> None:
         return
     # Locally, more logical CPUs than cores: the Train controller and a Tune driver need a
     # slot each and sit idle most of the time (measured: with 2 slots on 2 cores, trials starve).
+    # The dashboard process also serves the State API that Ray Train's controller polls;
+    # without it the driver log fills with "State API may be temporarily unavailable".
     ray.init(
         num_cpus=max(os.cpu_count() or 1, 4),
-        include_dashboard=False,
+        dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
-        configure_logging=False,
     )
 
 
@@ -74,6 +78,13 @@ class RayReporter:
 
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker."""
+    # Ray Train logs one INFO line per report on every worker; keep the epoch summaries readable.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    # ...including the one logged by a module whose logger is named by its file path.
+    from ray.train.v2._internal.execution import context as _train_context
+
+    logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     cfg = from_dict(loop_config["config"])
     tracker = NullTracker()
     if loop_config.get("mlflow_run_id") and ray.train.get_context().get_world_rank() == 0:
@@ -106,6 +117,8 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
             storage_path=storage_path(cfg),
             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            # Ray Train's per-report INFO lines drown the epoch summaries the pipeline prints.
+            logging_config=ray.LoggingConfig(log_level="WARNING"),
         ),
     )
     return trainer.fit()

@@ -5,6 +5,7 @@ The MLflow run is always closed (FINISHED or FAILED): no run is left RUNNING by 
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ def train(cfg: Config, *, address: str | None = None) -> TrainOutcome:
             raise result.error
         tracker = mt.MlflowTracker(run_id, uri)
         ckpt_path = None
+        metrics = dict(result.metrics or {})
         if result.checkpoint is not None:
             ckpt_path = result.checkpoint.path
             with result.checkpoint.as_directory() as d, tempfile.TemporaryDirectory() as tmp:
@@ -57,11 +59,14 @@ def train(cfg: Config, *, address: str | None = None) -> TrainOutcome:
                 shutil.copytree(d, final)
                 tracker.log_artifacts(final, "checkpoint")
                 tracker.log_artifacts(_config_dir(final), None)
+                if "epoch" not in metrics:  # the run was already complete: report its last epoch
+                    state = json.loads((Path(d) / "trainer_state.json").read_text())
+                    metrics = state["history"][-1] if state.get("history") else {}
             tracker.set_tags({"ray_checkpoint_path": ckpt_path})
         status = "FINISHED"
         return TrainOutcome(
             run_name=cfg.run_name(), mlflow_run_id=run_id, tracking_uri=uri,
-            checkpoint_path=ckpt_path, metrics=dict(result.metrics or {}), resumed=resumed,
+            checkpoint_path=ckpt_path, metrics=metrics, resumed=resumed,
         )
     finally:
         mt.end_run(run_id, uri, status)
