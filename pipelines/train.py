@@ -23,6 +23,7 @@ from pipelines.config import Config
 from pipelines.data import DataSplit, build_batch_sampler, build_datasets, dataset_labels
 from pipelines.evaluate import retrieval_metrics
 from pipelines.models import EmbeddingModel
+from pipelines.plots import record_isa_state, write_dashboard
 from pipelines.tracking import NullTracker, Reporter, Tracker
 from proxies import build_loss
 from proxies.sharding import gather_replicated
@@ -146,8 +147,13 @@ def load_checkpoint(
     return json.loads((directory / "trainer_state.json").read_text())
 
 
-def run(cfg: Config, reporter: Reporter, tracker: Tracker | None = None) -> dict[str, float]:
-    """Train ``cfg`` on this worker. Returns the last epoch's metrics (rank 0; {} elsewhere)."""
+def run(
+    cfg: Config, reporter: Reporter, tracker: Tracker | None = None, extra_state: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Train ``cfg`` on this worker. Returns the last epoch's metrics (rank 0; {} elsewhere).
+
+    ``extra_state`` (e.g. the MLflow run id) is stored in every checkpoint's trainer_state.json.
+    """
     tracker = tracker if (tracker is not None and D.rank() == 0) else NullTracker()
     dev = D.device()
     rank, world = D.rank(), D.world_size()
@@ -176,6 +182,7 @@ def run(cfg: Config, reporter: Reporter, tracker: Tracker | None = None) -> dict
     backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
     use_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
     metrics: dict[str, float] = {}
+    isa_states: list[dict[str, Any]] = []  # Proxy-ISA state per epoch, for the dashboard (rank 0)
 
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.perf_counter()
@@ -224,15 +231,19 @@ def run(cfg: Config, reporter: Reporter, tracker: Tracker | None = None) -> dict
             summary = " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k not in ("epoch", "lr"))
             D.print0(f"epoch {epoch + 1}/{cfg.train.epochs} {summary}")
             tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch + 1)
+            record_isa_state(loss_fn, epoch + 1, isa_states)
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError("training loss is not finite")
         with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
             ckpt_dir = None
             if rank == 0:
                 ckpt_dir = Path(tmp)
-                state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world, "history": history}
+                state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world,
+                         "history": history, **(extra_state or {})}
                 save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
             reporter.report(metrics, ckpt_dir)
+    if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
+        write_dashboard(tracker, history, model, split.test, loss_fn, isa_states, dev, cfg.data.eval_batch_size)
     return metrics if rank == 0 else {}
 
 

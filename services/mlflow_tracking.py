@@ -7,7 +7,13 @@ A run is found again by its ``ray_run_name`` tag, so starting the same training 
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import subprocess
+import tempfile
+import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,26 +99,136 @@ def _param_value(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def end_run(run_id: str, uri: str, status: str) -> None:
-    MlflowClient(uri).set_terminated(run_id, status=status)
+def end_run(run_id: str, uri: str, status: str, attempts: int = 30) -> None:
+    """Close the run; retried so that a blinking server never leaves it RUNNING."""
+    for i in range(attempts):
+        try:
+            MlflowClient(uri).set_terminated(run_id, status=status)
+            return
+        except Exception:
+            if i == attempts - 1:
+                raise
+            time.sleep(min(2.0 ** i * 0.5, 10.0))
+
+
+def log_pytorch_model(run_id: str, uri: str, checkpoint: Path) -> None:
+    """Log the trained embedder with ``mlflow.pytorch`` and a signature, ready to register."""
+    import mlflow.pytorch
+    import torch
+    from mlflow.models import infer_signature
+
+    from pipelines.train import load_model
+
+    _, model, split = load_model(checkpoint)
+    example = torch.stack([split.test[i][0] for i in range(min(2, len(split.test)))])
+    with torch.no_grad():
+        output = model(example)
+    signature = infer_signature(example.numpy(), output.numpy())
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        # Explicit requirements: inferring them imports the whole environment (slow, noisy).
+        mlflow.pytorch.log_model(
+            model, name="model", signature=signature, input_example=example.numpy(),
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "proxydml"],
+        )
 
 
 class MlflowTracker:
-    """The pipeline's Tracker protocol on top of an existing MLflow run."""
+    """The pipeline's Tracker protocol on an existing MLflow run, tolerant of outages.
 
-    def __init__(self, run_id: str, uri: str) -> None:
+    Every record goes through an ordered queue drained by one background thread. When the
+    tracking server (or the artifact store behind it) is unreachable the thread keeps the
+    record, warns once, and retries with exponential backoff, so training never waits on
+    MLflow and nothing is lost. Re-sending a metric is harmless: the store ignores a metric
+    identical in (key, value, timestamp, step), so a retry after a lost reply adds no
+    duplicate. ``flush()`` waits until everything is delivered.
+    """
+
+    def __init__(self, run_id: str, uri: str, *, max_backoff_s: float = 10.0,
+                 spool_dir: Path | None = None) -> None:
+        # One quick HTTP attempt per call: the retry policy lives here, not in MLflow's
+        # client (whose default backoff can block a caller for minutes).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         self.run_id = run_id
         self.client = MlflowClient(uri)
+        self.max_backoff_s = max_backoff_s
+        self._spool = Path(spool_dir or tempfile.mkdtemp(prefix="proxydml-mlflow-spool-"))
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._outage_since: float | None = None
+        self.delivered = 0
+        self._thread = threading.Thread(target=self._drain, name="mlflow-tracker", daemon=True)
+        self._thread.start()
 
+    # -- Tracker protocol ---------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        import time
-
-        ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        ts = int(time.time() * 1000)  # fixed now, so a re-send is an identical record
+        self._queue.put(("metrics", [Metric(k, float(v), ts, step) for k, v in metrics.items()]))
 
     def log_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        # Copy first: the caller's folder is usually a temporary one that vanishes.
+        dest = self._spool / f"{time.monotonic_ns()}"
+        shutil.copytree(local_dir, dest)
+        self._queue.put(("artifacts", (dest, artifact_path)))
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self._queue.put(("tags", [RunTag(k, str(v)) for k, v in tags.items()]))
+
+    # -- delivery -------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every queued record is delivered (True) or ``timeout`` passes (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        done = self.flush(timeout)
+        self._queue.put(None)
+        if done:
+            shutil.rmtree(self._spool, ignore_errors=True)
+        return done
+
+    def pending(self) -> int:
+        return self._queue.unfinished_tasks
+
+    def _send(self, kind: str, payload: Any) -> None:
+        if kind == "metrics":
+            self.client.log_batch(self.run_id, metrics=payload)
+        elif kind == "tags":
+            self.client.log_batch(self.run_id, tags=payload)
+        else:
+            folder, artifact_path = payload
+            self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            backoff = 0.5
+            while True:
+                try:
+                    self._send(*item)
+                    break
+                except Exception as exc:  # network errors come in many types; retry them all
+                    if self._outage_since is None:
+                        self._outage_since = time.monotonic()
+                        warnings.warn(
+                            f"MLflow unreachable ({type(exc).__name__}: {str(exc)[:200]}); training "
+                            f"continues and {self.pending()} record(s) are buffered and retried",
+                            stacklevel=1,
+                        )
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, self.max_backoff_s)
+            if self._outage_since is not None:
+                down = time.monotonic() - self._outage_since
+                self._outage_since = None
+                warnings.warn(f"MLflow reachable again after {down:.0f}s; buffered records delivered",
+                              stacklevel=1)
+            self.delivered += 1
+            self._queue.task_done()

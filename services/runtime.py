@@ -86,20 +86,53 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     cfg = from_dict(loop_config["config"])
-    tracker = NullTracker()
-    if loop_config.get("mlflow_run_id") and ray.train.get_context().get_world_rank() == 0:
-        from services.mlflow_tracking import MlflowTracker
+    run_id = loop_config.get("mlflow_run_id")
+    if not run_id or ray.train.get_context().get_world_rank() != 0:
+        train_pipeline.run(cfg, RayReporter(), NullTracker())
+        return
+    from services.mlflow_tracking import MlflowTracker
 
-        tracker = MlflowTracker(loop_config["mlflow_run_id"], loop_config["mlflow_uri"])
-    train_pipeline.run(cfg, RayReporter(), tracker)
+    tracker = MlflowTracker(run_id, loop_config["mlflow_uri"])
+    try:
+        # The run id travels in every checkpoint: a restarted worker continues the same run.
+        train_pipeline.run(cfg, RayReporter(), tracker, extra_state={"mlflow_run_id": run_id})
+    finally:
+        if not tracker.close(timeout=loop_config.get("flush_timeout_s", 600)):
+            print(f"warning: {tracker.pending()} MLflow record(s) could not be delivered", flush=True)
 
 
-def storage_path(cfg: Config) -> str:
-    return str(Path(cfg.tracking.storage_path or "runs").resolve())
+def storage(cfg: Config) -> tuple[str, Any]:
+    """(storage_path, pyarrow filesystem or None) for Ray Train checkpoints.
+
+    ``s3://bucket/prefix`` goes to S3 or an S3-compatible server: the endpoint comes from
+    $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL and the keys from the environment or the AWS
+    profile, never from the (logged) config. Anything else is a local or shared folder.
+    """
+    path = cfg.tracking.storage_path or "runs"
+    if not path.startswith("s3://"):
+        return str(Path(path.removeprefix("file://")).resolve()), None
+    import pyarrow.fs
+
+    bucket_prefix = path.removeprefix("s3://").strip("/")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        from services.stack import ray_storage
+
+        bucket, _, prefix = bucket_prefix.partition("/")
+        return ray_storage(endpoint, bucket, prefix)
+    return bucket_prefix, pyarrow.fs.S3FileSystem()
+
+
+def checkpoint_uri(cfg: Config, checkpoint: ray.train.Checkpoint) -> str:
+    """Where a checkpoint lives, as a user would type it (s3://... or a local path)."""
+    if (cfg.tracking.storage_path or "").startswith("s3://"):
+        return f"s3://{checkpoint.path}"
+    return checkpoint.path
 
 
 def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None) -> ray.train.Result:
     """Run (or resume, when a run of the same name exists in storage) one training run."""
+    path, filesystem = storage(cfg)
     use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if use_gpu:
@@ -114,7 +147,8 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run_name(),
-            storage_path=storage_path(cfg),
+            storage_path=path,
+            storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             # Ray Train's per-report INFO lines drown the epoch summaries the pipeline prints.

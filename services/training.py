@@ -38,42 +38,44 @@ def check_data(cfg: Config) -> int:
     return split.num_classes
 
 
-def train(cfg: Config, *, address: str | None = None) -> TrainOutcome:
+def train(cfg: Config, *, address: str | None = None, log_model: bool = True) -> TrainOutcome:
     check_data(cfg)
     uri = mt.tracking_uri(cfg)
     run_id, resumed = mt.open_run(cfg, uri)
     status = "FAILED"
+    tracker = mt.MlflowTracker(run_id, uri)
     try:
         runtime.ensure_ray(address)
         result = runtime.fit(cfg, mlflow_run_id=run_id, mlflow_uri=uri)
         if result.error is not None:
             raise result.error
-        tracker = mt.MlflowTracker(run_id, uri)
         ckpt_path = None
         metrics = dict(result.metrics or {})
         if result.checkpoint is not None:
-            ckpt_path = result.checkpoint.path
-            with result.checkpoint.as_directory() as d, tempfile.TemporaryDirectory() as tmp:
+            ckpt_path = runtime.checkpoint_uri(cfg, result.checkpoint)
+            with result.checkpoint.as_directory() as d:
                 # Final checkpoint and its config.yaml as run artifacts.
-                final = Path(tmp) / "checkpoint"
-                shutil.copytree(d, final)
-                tracker.log_artifacts(final, "checkpoint")
-                tracker.log_artifacts(_config_dir(final), None)
+                tracker.log_artifacts(Path(d), "checkpoint")
+                tracker.log_artifacts(_config_dir(Path(d)), None)
                 if "epoch" not in metrics:  # the run was already complete: report its last epoch
                     state = json.loads((Path(d) / "trainer_state.json").read_text())
                     metrics = state["history"][-1] if state.get("history") else {}
+                if log_model:
+                    mt.log_pytorch_model(run_id, uri, Path(d))
             tracker.set_tags({"ray_checkpoint_path": ckpt_path})
+        if not tracker.flush(timeout=600):
+            raise RuntimeError(f"{tracker.pending()} MLflow record(s) not delivered after 600 s")
         status = "FINISHED"
         return TrainOutcome(
             run_name=cfg.run_name(), mlflow_run_id=run_id, tracking_uri=uri,
             checkpoint_path=ckpt_path, metrics=metrics, resumed=resumed,
         )
     finally:
+        tracker.close(timeout=60)
         mt.end_run(run_id, uri, status)
 
 
 def _config_dir(checkpoint: Path) -> Path:
-    d = checkpoint.parent / "config"
-    d.mkdir(exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix="proxydml-config-"))
     shutil.copy(checkpoint / "config.yaml", d / "config.yaml")
     return d

@@ -55,6 +55,19 @@ def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_pa
     assert {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")} >= {
         f"checkpoint/{f}" for f in CHECKPOINT_FILES
     }
+    # The trained embedder is logged with mlflow.pytorch and loads back as a working model.
+    import mlflow.pytorch
+    import torch
+
+    from pipelines.data import build_datasets
+
+    mlflow.set_tracking_uri(local_mlflow)
+    model = mlflow.pytorch.load_model(f"runs:/{first.mlflow_run_id}/model")
+    images = torch.stack([build_datasets(cfg.data).test[i][0] for i in range(3)])
+    assert model(images).shape == (3, 64)
+    state = yaml.safe_load((ckpt / "trainer_state.json").read_text())
+    assert state["mlflow_run_id"] == first.mlflow_run_id
+
     loss_history = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
 
     # Same run started again with one more epoch: resumes from epoch 2, same MLflow run.
