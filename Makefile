@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test install lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check proxies pipelines services tests
 
-test: $(STAMP)
+# The browser tests drive Debian's headless Chromium (never a downloaded browser).
+browser:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
+
+test: $(STAMP) browser
 	$(BIN)/ruff check proxies pipelines services tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -63,6 +63,24 @@ def _cmd_stack(args: argparse.Namespace) -> int:
         return 2
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    import os
+
+    from services import report
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per download is noise
+    try:
+        rep = report.build_report(args.targets, out=args.out, tracking_uri=args.tracking_uri,
+                                  log=not args.no_log, max_runs=args.max_runs)
+    except report.ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {rep.path} ({len(rep.runs)} run(s))")
+    for run_id in rep.logged_to:
+        print(f"logged : run {run_id} artifact {report.ARTIFACT_DIR}/{report.ARTIFACT_NAME}")
+    return 0
+
+
 def _cmd_data_build(args: argparse.Namespace) -> int:
     from pipelines.data.emoji import DEFAULT_ROOT, DESIGNS, build_emoji
 
@@ -70,6 +88,39 @@ def _cmd_data_build(args: argparse.Namespace) -> int:
     out = build_emoji(args.out or DEFAULT_ROOT, designs=designs, size=args.size, tiny=args.tiny,
                       seed=args.seed, progress=not args.quiet)
     print(f"built: {out} (train with data.name=emoji data.root={out})")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    base = load_config(args.config, args.overrides)
+    from services import sweep
+
+    print(f"proxydml tune: {args.samples} trial(s) of {base.scaling.num_workers} worker(s), "
+          f"{args.search} search, scheduler {args.scheduler}", flush=True)
+    out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
+                          search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
+                          address=args.address)
+    print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
+    for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
+        metric = f"{t['metric']:.4f}" if t["metric"] is not None else "n/a"
+        print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {shown}")
+    print(f"MLflow parent run: {out.parent_run_id}")
+    print(f"best config      : proxydml tune best {out.name}")
+    return 0
+
+
+def _cmd_tune_best(args: argparse.Namespace) -> int:
+    import os
+
+    from services import sweep
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        from services.mlflow_tracking import local_store
+
+        uri = local_store()[0]
+    print(sweep.best_config(args.sweep, uri), end="")
     return 0
 
 
@@ -91,10 +142,39 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     tr.set_defaults(func=_cmd_train)
 
+    tu = sub.add_parser("tune", help="hyper-parameter sweep on Ray Tune (or: tune best SWEEP)")
+    tu.add_argument("--config", default=None, help="recipe name or YAML path")
+    tu.add_argument("--space", required=True, help="search-space YAML (or a name under configs/search)")
+    tu.add_argument("--samples", type=int, default=8, help="number of trials (default 8)")
+    tu.add_argument("--scheduler", default="asha", help="asha | none (default asha)")
+    tu.add_argument("--search", default="optuna", help="optuna | random | grid (default optuna)")
+    tu.add_argument("--max-concurrent", type=int, default=None, help="default: what the cluster holds")
+    tu.add_argument("--metric", default="map_at_r", help="metric to maximise (default map_at_r)")
+    tu.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    tu.add_argument("overrides", nargs="*", help="dotted key=value overrides of the base config")
+    tu.set_defaults(func=_cmd_tune)
+
+    best = sub.add_parser("tune-best", help=argparse.SUPPRESS)
+    best.add_argument("sweep", help="sweep name (printed by proxydml tune)")
+    best.add_argument("--tracking-uri", default=None, help="MLflow URI (default: $MLFLOW_TRACKING_URI or ./mlruns)")
+    best.set_defaults(func=_cmd_tune_best)
+
     ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes")
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)
+
+    rep = sub.add_parser("report", help="HTML page comparing runs (params, metrics, plots)")
+    rep.add_argument("targets", nargs="+", metavar="RUN_ID|EXPERIMENT",
+                     help="run ids and/or experiment names or ids")
+    rep.add_argument("--out", default="report.html", help="output HTML file (default report.html)")
+    rep.add_argument("--tracking-uri", default=None,
+                     help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else ./mlruns sqlite)")
+    rep.add_argument("--max-runs", type=int, default=20, help="most recent runs taken per experiment (default 20)")
+    rep.add_argument("--no-log", action="store_true",
+                     help="only write the file (default: also log report/report.html to the runs, "
+                          "or to the experiment's 'report' run)")
+    rep.set_defaults(func=_cmd_report)
 
     data_p = sub.add_parser("data", help="build offline data sets")
     data_sub = data_p.add_subparsers(dest="data_command", required=True)
@@ -122,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["tune", "best"]:  # `proxydml tune best SWEEP`
+        argv = ["tune-best", *argv[2:]]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -17,11 +17,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import mlflow
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
+# MLflow 3 reports telemetry by default; training clusters must not talk to the outside.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from pipelines.config import Config
+import mlflow  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from pipelines.config import Config  # noqa: E402
 
 # MLflow caps a param value at 6000 characters and a batch at 100 params.
 _PARAM_BATCH = 100
@@ -75,7 +78,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
     }
 
 
-def open_run(cfg: Config, uri: str | None = None) -> tuple[str, bool]:
+def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """Find the run tagged with this run name or create it. Returns (run_id, resumed)."""
     uri = uri or tracking_uri(cfg)
     client = MlflowClient(uri)
@@ -88,7 +91,7 @@ def open_run(cfg: Config, uri: str | None = None) -> tuple[str, bool]:
         client.update_run(run_id, status="RUNNING")
         client.set_tag(run_id, "world_size", str(cfg.scaling.num_workers))
         return run_id, True
-    run = client.create_run(exp_id, run_name=cfg.run_name(), tags=run_tags(cfg))
+    run = client.create_run(exp_id, run_name=cfg.run_name(), tags={**run_tags(cfg), **(extra_tags or {})})
     params = [Param(k, _param_value(v)) for k, v in cfg.flat().items()]
     for i in range(0, len(params), _PARAM_BATCH):
         client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH])

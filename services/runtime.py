@@ -16,6 +16,7 @@ from typing import Any
 # Keep every Ray process (GCS, raylet, workers, gloo) on loopback; must be set before import.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports leave the machine
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train V2 re-routes print() through a logger and tees it: every epoch line twice.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -130,7 +131,8 @@ def checkpoint_uri(cfg: Config, checkpoint: ray.train.Checkpoint) -> str:
     return checkpoint.path
 
 
-def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None) -> ray.train.Result:
+def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None,
+        callbacks: list[Any] | None = None) -> ray.train.Result:
     """Run (or resume, when a run of the same name exists in storage) one training run."""
     path, filesystem = storage(cfg)
     use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
@@ -153,6 +155,108 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             # Ray Train's per-report INFO lines drown the epoch summaries the pipeline prints.
             logging_config=ray.LoggingConfig(log_level="WARNING"),
+            callbacks=callbacks,
         ),
     )
     return trainer.fit()
+
+
+# -- Ray Tune ----------------------------------------------------------------------------------
+def cluster_cpus() -> float:
+    return float(ray.cluster_resources().get("CPU", 0))
+
+
+def _tune_domain(dim: Any) -> Any:
+    from ray import tune
+
+    low_high = dim.values
+    if dim.kind == "loguniform":
+        return tune.loguniform(*low_high)
+    if dim.kind == "uniform":
+        return tune.uniform(*low_high)
+    if dim.kind == "randint":
+        return tune.randint(*low_high)
+    if dim.kind == "choice":
+        return tune.choice(list(dim.values))
+    return tune.grid_search(list(dim.values))
+
+
+def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, parent_run_id: str,
+                  mlflow_uri: str, storage_path: str) -> None:
+    """One trial: a full multi-worker TorchTrainer run, its reports forwarded to Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from services import mlflow_tracking as mt
+    from services.sweep import apply
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = apply(from_dict(base), params)
+    cfg.tracking.run_name = f"{sweep}-{trial_id}"  # Tune trial ids survive a sweep restore
+    cfg.tracking.storage_path = storage_path
+    run_id, _ = mt.open_run(cfg, mlflow_uri, extra_tags={
+        "mlflow.parentRunId": parent_run_id, "sweep_name": sweep, "trial_id": trial_id,
+    })
+    status = "FAILED"
+    try:
+        result = fit(cfg, mlflow_run_id=run_id, mlflow_uri=mlflow_uri, callbacks=[TuneReportCallback()])
+        if result.error is not None:
+            raise result.error
+        status = "FINISHED"
+    finally:
+        # A trial stopped early by ASHA ends here too (the actor is torn down): KILLED is
+        # then set by the driver when it collects results.
+        mt.end_run(run_id, mlflow_uri, status)
+
+
+def tune_sweep(spec: Any, *, parent_run_id: str, mlflow_uri: str, storage_root: str) -> list[dict[str, Any]]:
+    """Run (or resume) a sweep; returns one dict per trial: id, params, metric, status."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    name = spec.name()
+    storage = str(Path(storage_root).resolve())
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
+            mlflow_uri=mlflow_uri, storage_path=str(Path(storage) / name / "trials"),
+        ),
+        # The trial driver only waits on its Train workers: a sliver of a CPU (STACK.md).
+        {"cpu": 0.01},
+    )
+    path = str(Path(storage) / name)
+    if tune.Tuner.can_restore(path):
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
+    else:
+        scheduler = (
+            ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=1, reduction_factor=2)
+            if spec.scheduler == "asha" else FIFOScheduler()
+        )
+        search_alg = None
+        if spec.search == "optuna":
+            from ray.tune.search.optuna import OptunaSearch
+
+            search_alg = OptunaSearch(seed=spec.base.train.seed)
+        space = {d.key: _tune_domain(d) for d in spec.space}
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            tune_config=tune.TuneConfig(
+                metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
+                num_samples=1 if spec.search == "grid" else spec.samples,
+                max_concurrent_trials=spec.max_concurrent,
+            ),
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1),
+        )
+    grid = tuner.fit()
+    trials = []
+    for result in grid:
+        metrics = result.metrics or {}
+        trials.append({
+            "trial_id": metrics.get("trial_id") or Path(result.path).name,
+            "params": dict(result.config or {}),
+            "metric": metrics.get(spec.metric),
+            "epochs": metrics.get("epoch"),
+            "error": repr(result.error) if result.error else None,
+        })
+    return trials

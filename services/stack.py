@@ -469,6 +469,8 @@ class Stack:
         env = dict(os.environ)
         # Never let an SDK fall back to the cloud metadata address (not loopback).
         env["AWS_EC2_METADATA_DISABLED"] = "true"
+        env["MLFLOW_DISABLE_TELEMETRY"] = "true"  # the servers report nothing outside
+        env["DO_NOT_TRACK"] = "true"
         for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
             env.pop(key, None)  # only the stack's own keys reach the servers
         # No proxy for loopback (a corporate HTTP_PROXY would swallow 127.0.0.1 requests).
