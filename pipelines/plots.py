@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from pipelines.tracking import NullTracker
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -410,8 +412,7 @@ def plot_isa_state(states: Sequence[Mapping[str, Any]], path: str | Path, max_cl
         ax.set_ylabel("class")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if bool(unlearned.any()):
-        axes[0, 1].text(0.99, 0.01, "grey: not learned yet (initial 1.0)", transform=axes[0, 1].transAxes,
-                        ha="right", va="bottom", fontsize="x-small", color="#555555")
+        axes[0, 1].set_xlabel("epoch (grey: not learned yet, initial 1.0)")
 
     def band(ax: Any, data: Tensor, label: str, colour: str) -> None:
         q = torch.quantile(data, torch.tensor([0.1, 0.5, 0.9]), dim=0).numpy()  # (3, E)
@@ -557,8 +558,6 @@ def write_dashboard(
     per-epoch :func:`isa_snapshot` dicts (Proxy-ISA only). Skipped (nothing rendered) when
     the tracker is the NullTracker: nobody would see the files. Returns the file names logged.
     """
-    from pipelines.tracking import NullTracker
-
     if isinstance(tracker, NullTracker):
         return []
     with tempfile.TemporaryDirectory(prefix="proxydml-plots-") as tmp:
