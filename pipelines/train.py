@@ -167,11 +167,12 @@ def run(
     optimizer = build_optimizer(cfg, model, loss_fn)
     scheduler = build_scheduler(cfg, optimizer)
 
-    start_epoch, history = 0, []
+    start_epoch, history, resumes = 0, [], 0
     with reporter.latest_checkpoint() as ckpt:
         if ckpt is not None:
             state = load_checkpoint(Path(ckpt), model, loss_fn, optimizer, scheduler, generator)
             start_epoch, history = state["epoch"], state.get("history", [])
+            resumes = state.get("resumes", 0) + 1  # restarts after failures count here too
             D.print0(f"resumed from {ckpt} after epoch {start_epoch}")
 
     ddp_model = D.wrap_ddp(model, dev)
@@ -239,7 +240,7 @@ def run(
             if rank == 0:
                 ckpt_dir = Path(tmp)
                 state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world,
-                         "history": history, **(extra_state or {})}
+                         "resumes": resumes, "history": history, **(extra_state or {})}
                 save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
             reporter.report(metrics, ckpt_dir)
     if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker

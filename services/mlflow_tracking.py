@@ -159,6 +159,7 @@ class MlflowTracker:
         self._spool = Path(spool_dir or tempfile.mkdtemp(prefix="proxydml-mlflow-spool-"))
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._outage_since: float | None = None
+        self._logged: set[tuple[str, int]] | None = None  # (key, step) already in the run
         self.delivered = 0
         self._thread = threading.Thread(target=self._drain, name="mlflow-tracker", daemon=True)
         self._thread.start()
@@ -197,9 +198,23 @@ class MlflowTracker:
     def pending(self) -> int:
         return self._queue.unfinished_tasks
 
+    def _already_logged(self) -> set[tuple[str, int]]:
+        """(key, step) pairs the run holds: a worker restarted from an older checkpoint
+        recomputes epochs it had already logged, and those must not appear twice."""
+        if self._logged is None:
+            logged: set[tuple[str, int]] = set()
+            for key in self.client.get_run(self.run_id).data.metrics:
+                logged.update((key, m.step) for m in self.client.get_metric_history(self.run_id, key))
+            self._logged = logged
+        return self._logged
+
     def _send(self, kind: str, payload: Any) -> None:
         if kind == "metrics":
-            self.client.log_batch(self.run_id, metrics=payload)
+            logged = self._already_logged()
+            fresh = [m for m in payload if (m.key, m.step) not in logged]
+            if fresh:
+                self.client.log_batch(self.run_id, metrics=fresh)
+            logged.update((m.key, m.step) for m in fresh)
         elif kind == "tags":
             self.client.log_batch(self.run_id, tags=payload)
         else:
