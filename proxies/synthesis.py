@@ -1,0 +1,183 @@
+"""Proxy Synthesis (Gu et al. 2021): a wrapper that adds synthetic classes to any proxy loss."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .base import ProxyLoss, check_positive, default_generator
+from .functional import SyntheticProxies, normalize_rows
+
+__all__ = ["ProxySynthesis", "adjacent_distinct_order", "sample_beta"]
+
+# Without a generator, lambda is drawn from a private generator with this seed (never the
+# global RNG), so two runs with the same config draw the same lambdas.
+DEFAULT_SYNTHESIS_SEED = 1
+
+
+def _std_normal(gen: torch.Generator) -> float:
+    return float(torch.randn((), generator=gen, dtype=torch.float64, device=gen.device))
+
+
+def _uniform(gen: torch.Generator) -> float:
+    # (0, 1]: log(u) stays finite.
+    return 1.0 - float(torch.rand((), generator=gen, dtype=torch.float64, device=gen.device))
+
+
+def _log_gamma_sample(a: float, gen: torch.Generator) -> float:
+    """log of a Gamma(a, 1) sample (Marsaglia & Tsang 2000); only the given generator is used.
+
+    For a < 1: Gamma(a) = Gamma(a + 1) * U^(1/a), kept in logs (U^(1/a) underflows for small a).
+    """
+    boost = 0.0
+    if a < 1.0:
+        boost = math.log(_uniform(gen)) / a
+        a += 1.0
+    d = a - 1.0 / 3.0
+    c = 1.0 / math.sqrt(9.0 * d)
+    while True:
+        x = _std_normal(gen)
+        v = 1.0 + c * x
+        if v <= 0.0:
+            continue
+        v = v * v * v
+        if math.log(_uniform(gen)) < 0.5 * x * x + d - d * v + d * math.log(v):
+            return math.log(d * v) + boost
+
+
+def sample_beta(alpha: float, beta: float, generator: torch.Generator) -> float:
+    """One draw of Beta(alpha, beta) in (0, 1) as G1 / (G1 + G2) of two Gamma draws.
+
+    Reproducible given the generator; the global RNG is not touched.
+    """
+    lg1 = _log_gamma_sample(alpha, generator)
+    lg2 = _log_gamma_sample(beta, generator)
+    # G1 / (G1 + G2) = sigmoid(log G1 - log G2): no overflow, no 0/0.
+    return 1.0 / (1.0 + math.exp(min(700.0, lg2 - lg1)))
+
+
+def adjacent_distinct_order(labels: Tensor) -> Tensor | None:
+    """A permutation (B,) after which no two cyclically adjacent labels are equal, or None
+    when ``labels`` (B,) already has that property.
+
+    Deterministic: sort by (count desc, label, position) and deal the result onto the even
+    positions, then the odd ones. This succeeds whenever it is possible (no label on more
+    than B // 2 samples, B >= 2); otherwise a warning is issued and the order is the best
+    this construction gives (a label with more than half the batch must touch itself).
+    """
+    b = labels.shape[0]
+    if b < 2:
+        return None
+    if not bool((labels == labels.roll(1)).any()):
+        return None
+    counts = torch.bincount(labels)
+    # Stable sorts: position, then label, then count (desc) as the primary key.
+    by_label = torch.argsort(labels, stable=True)
+    order = by_label[torch.argsort(-counts[labels[by_label]], stable=True)]
+    slots = torch.cat([torch.arange(0, b, 2), torch.arange(1, b, 2)]).to(labels.device)
+    perm = torch.empty_like(order)
+    perm[slots] = order
+    if int(counts.max()) > b // 2:
+        warnings.warn(
+            f"Proxy Synthesis: a label holds {int(counts.max())} of {b} samples; adjacent labels "
+            "cannot all differ, some synthetic samples mix two samples of one class",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return perm
+
+
+class ProxySynthesis(nn.Module):
+    """Proxy Synthesis around a proxy loss: ``loss(embeddings (B, d), labels (B,), lam=None)``.
+
+    Per batch: reorder the batch so adjacent labels differ (cyclically) if needed; draw one
+    ``lam ~ Beta(alpha, alpha)`` from ``generator`` (or use the given ``lam``); build
+    ``x~_i = lam x̂_i + (1 - lam) x̂_{i-1}`` and ``p~_i = lam p̂_{y_i} + (1 - lam) p̂_{y_{i-1}}``
+    with label ``C + i``; keep the first ``floor(B mu)`` (at most B); apply the base loss
+    over ``B + n`` embeddings and ``C + n`` proxies. Gradients flow through the synthetics.
+    ``mu = 0`` is exactly the base loss. A stateful base (Proxy-ISA) updates its state from
+    the real samples only (synthetic classes have no state). The generator state is part of
+    ``state_dict`` (``_extra_state``), so a resumed run draws the same lambdas.
+    """
+
+    def __init__(
+        self,
+        base_loss: ProxyLoss,
+        alpha: float = 0.4,
+        mu: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base_loss, ProxyLoss):
+            raise ValueError(f"base_loss must be a ProxyLoss, got {type(base_loss).__name__}")
+        self.alpha = check_positive("alpha", alpha)
+        self.mu = check_positive("mu", mu, strict=False)
+        self.base = base_loss
+        self.generator = default_generator(generator, DEFAULT_SYNTHESIS_SEED)
+
+    @property
+    def proxies(self) -> nn.Parameter:
+        """The base loss' proxies (C, d)."""
+        return self.base.proxies
+
+    @property
+    def num_classes(self) -> int:
+        return self.base.num_classes
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.base.embedding_dim
+
+    def set_epoch(self, epoch: int, **kwargs: Any) -> None:
+        """Forwarded to the base loss when it has phases (Proxy-ISA)."""
+        fn = getattr(self.base, "set_epoch", None)
+        if fn is not None:
+            fn(epoch, **kwargs)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"generator_state": self.generator.get_state()}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator_state"])
+
+    def sample_lambda(self) -> float:
+        """One lam ~ Beta(alpha, alpha) from this wrapper's generator."""
+        return sample_beta(self.alpha, self.alpha, self.generator)
+
+    def num_synthetic(self, batch_size: int) -> int:
+        """floor(B mu), at most B."""
+        return min(batch_size, int(math.floor(batch_size * self.mu)))
+
+    def forward(self, embeddings: Tensor, labels: Tensor, lam: float | None = None) -> Tensor:
+        """embeddings (B, d), labels (B,) long, optional fixed ``lam`` -> scalar loss."""
+        base = self.base
+        base.check_inputs(embeddings, labels)
+        n = self.num_synthetic(embeddings.shape[0])
+        if n == 0:
+            return base(embeddings, labels)
+        if lam is None:
+            lam = self.sample_lambda()
+        lam = float(lam)
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam must lie in [0, 1], got {lam!r}")
+
+        perm = adjacent_distinct_order(labels)
+        x_hat = normalize_rows(embeddings)
+        xs, ys = (x_hat, labels) if perm is None else (x_hat[perm], labels[perm])
+        # x~_i = lam x̂_i + (1 - lam) x̂_{i-1}: row i paired with its cyclic predecessor.
+        x_syn = torch.lerp(xs.roll(1, dims=0)[:n], xs[:n], lam)
+        synthetic = SyntheticProxies(first=ys[:n], second=ys.roll(1)[:n], lam=lam)
+        y_syn = base.num_classes + torch.arange(n, device=labels.device)
+        loss = base.loss_from(
+            torch.cat([xs, x_syn]), base.proxies, torch.cat([ys, y_syn]), synthetic
+        )
+        if base.training:
+            base.update_state(embeddings, labels)
+        return loss
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:g}, mu={self.mu:g}"
