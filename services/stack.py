@@ -646,9 +646,10 @@ def cli(action: str, state_dir: str | None = None, s3_port: int | None = None,
         print("\n# MLflow clients need only the tracking URI (artifacts go through the server):")
         for key, value in stack.client_env().items():
             print(f"export {key}={value}")
-        print("# Ray storage on the same S3 server: services.stack.ray_storage(...), or export the")
-        print(f"# keys (. {stack.state_dir / CREDENTIALS_FILE}, mode 0600) and use")
-        print(f"#   s3://{stack.bucket}/ray?endpoint_override={HOST}:{stack.s3_port}&scheme=http")
+        print("# Ray checkpoints in the same bucket: the endpoint, the keys (mode 0600 file), then")
+        print(f"export AWS_ENDPOINT_URL={stack.s3_endpoint}")
+        print(f". {stack.state_dir / CREDENTIALS_FILE}")
+        print(f"#   proxydml train tracking.storage_path=s3://{stack.bucket}/ray")
         return 0
     if action == "down":
         for msg in stack.down():
