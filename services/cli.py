@@ -124,6 +124,144 @@ def _cmd_tune_best(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- retrain / models / submit ------------------------------------------------------------------
+def _tracking_uri(explicit: str | None) -> str:
+    from services.retrain import resolve_tracking_uri
+
+    return resolve_tracking_uri(explicit, [])
+
+
+def _cmd_retrain(args: argparse.Namespace) -> int:
+    from services import registry, retrain
+
+    req = retrain.RetrainRequest(
+        model=args.model, data=args.data, config=args.config, from_champion=args.from_champion,
+        from_sweep=args.from_sweep, overrides=args.overrides, margin=args.margin, metric=args.metric,
+        tracking_uri=args.tracking_uri, address=args.address,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None, lock_ttl_s=args.lock_ttl,
+    )
+    try:
+        result = retrain.retrain(req, log=lambda msg: print(msg, flush=True))
+    except registry.LockHeld as exc:
+        print(f"error: another retrain of model {args.model!r} is running: {exc}", file=sys.stderr)
+        return retrain.EXIT_LOCKED
+    except (retrain.RetrainError, registry.RegistryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in result.lines():
+        print(line)
+    print(f"({result.seconds:.1f} s)")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from services import registry
+
+    client = MlflowClient(_tracking_uri(args.tracking_uri))
+    try:
+        if args.models_command == "list":
+            return _models_list(client, args.name)
+        if args.models_command == "show":
+            return _models_show(client, args)
+        old, new = registry.rollback(client, args.name, args.to)
+        print(f"model {args.name}: champion v{old} -> v{new} (previous-champion = v{old})")
+        return 0
+    except registry.RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _models_list(client, name: str | None) -> int:
+    from services import registry
+
+    if name is None:
+        models = list(client.search_registered_models())
+        if not models:
+            print("no registered models")
+        for m in sorted(models, key=lambda m: m.name):
+            aliases = " ".join(f"{a}=v{v}" for a, v in sorted(m.aliases.items()))
+            print(f"{m.name:32s} {aliases}")
+        return 0
+    model = registry.require_model(client, name)
+    by_version: dict[str, list[str]] = {}
+    for alias, version in model.aliases.items():
+        by_version.setdefault(str(version), []).append(alias)
+    print(f"{'version':8s} {'aliases':28s} {'decision':14s} {'metric':22s} snapshot")
+    for v in registry.versions(client, name):
+        metric = v.tags.get("metric", "")
+        value = v.tags.get(f"candidate.{metric}", "")
+        shown = f"{metric}={float(value):.4f}" if value else ""
+        failed = " (registration failed)" if v.tags.get(registry.FAILED_TAG) == "failed" else ""
+        print(f"{str(v.version):8s} {','.join(sorted(by_version.get(str(v.version), []))) or '-':28s} "
+              f"{v.tags.get('decision', '-'):14s} {shown:22s} {v.tags.get('snapshot_id', '-')}{failed}")
+    return 0
+
+
+def _models_show(client, args: argparse.Namespace) -> int:
+    import tempfile
+
+    from services import registry
+
+    registry.require_model(client, args.name)
+    if args.version:
+        version = client.get_model_version(args.name, args.version)
+    else:
+        version = registry.version_by_alias(client, args.name, args.alias)
+        if version is None:
+            raise registry.RegistryError(f"model {args.name!r} has no alias {args.alias!r}")
+    aliases = [a for a, v in registry.aliases_of(client, args.name).items() if v == str(version.version)]
+    print(f"model    : {args.name} version {version.version} ({', '.join(sorted(aliases)) or 'no alias'})")
+    print(f"load     : models:/{args.name}/{version.version}")
+    print(f"run      : {version.run_id}")
+    print(f"source   : {version.source}")
+    if version.description:
+        print(f"about    : {version.description}")
+    for key in sorted(version.tags):
+        print(f"  {key:24s} {version.tags[key]}")
+    if args.config and version.run_id:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("\n# config.yaml of the training run")
+            print(Path(client.download_artifacts(version.run_id, "config.yaml", tmp)).read_text(), end="")
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    import shlex
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("error: nothing to submit; usage: proxydml submit [--address A] -- proxydml train ...",
+              file=sys.stderr)
+        return 2
+    env = {}
+    for item in args.env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"error: --env {item!r} must look like KEY=VALUE", file=sys.stderr)
+            return 2
+        env[key] = value
+    from services import runtime
+
+    try:
+        job_id, status, code = runtime.run_job(shlex.join(command), address=args.address, env=env or None,
+                                               follow=not args.no_wait)
+    except ConnectionError as exc:
+        print(f"error: cannot reach the Ray cluster ({args.address or 'RAY_ADDRESS / local'}): {exc}",
+              file=sys.stderr)
+        return 2
+    if args.no_wait:
+        print(f"job {job_id}: {status} (not waiting; follow with `ray job logs -f {job_id}`)")
+        return 0
+    print(f"job {job_id} ended: {status}" + (f" (exit code {code})" if code is not None else ""))
+    if status == "SUCCEEDED":
+        return 0
+    return code if code else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxydml", description="Proxy-based deep metric learning on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +336,50 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("up", "start the stack (idempotent)"), ("down", "stop the stack"),
                        ("status", "show each service up/down with its URL")):
         st_sub.add_parser(name, help=text, parents=[st_opts]).set_defaults(func=_cmd_stack)
+
+    rt = sub.add_parser("retrain", help="retrain a registered model on a data snapshot; promote if better")
+    rt.add_argument("--model", required=True, help="registered model name (models:/NAME)")
+    rt.add_argument("--data", required=True, help="snapshot folder or s3://bucket/prefix (with manifest.json)")
+    src = rt.add_mutually_exclusive_group()
+    src.add_argument("--config", default=None, help="recipe name or YAML path")
+    src.add_argument("--from-champion", action="store_true",
+                     help="the champion's training config (the default once a champion exists)")
+    src.add_argument("--from-sweep", default=None, metavar="SWEEP", help="the best config of a sweep")
+    rt.add_argument("--margin", type=float, default=0.005,
+                    help="promote only if the candidate beats the champion by this much (default 0.005)")
+    rt.add_argument("--metric", default="map_at_r", help="decision metric (default map_at_r)")
+    rt.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
+    rt.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    rt.add_argument("--cache-dir", default=None, help="where S3 snapshots are downloaded (default ~/.cache/proxydml)")
+    rt.add_argument("--lock-ttl", type=float, default=900.0,
+                    help="seconds a crashed retrain keeps the model locked (renewed while alive; default 900)")
+    rt.add_argument("overrides", nargs="*", help="dotted key=value overrides of the source config")
+    rt.set_defaults(func=_cmd_retrain)
+
+    mo = sub.add_parser("models", help="registered models: list | show | rollback")
+    mo_opts = argparse.ArgumentParser(add_help=False)
+    mo_opts.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
+    mo_sub = mo.add_subparsers(dest="models_command", required=True)
+    ls = mo_sub.add_parser("list", help="all models, or the versions of one", parents=[mo_opts])
+    ls.add_argument("name", nargs="?", default=None)
+    sh = mo_sub.add_parser("show", help="one version: tags, run, decision", parents=[mo_opts])
+    sh.add_argument("name")
+    sh.add_argument("--version", default=None, help="version number (default: the --alias)")
+    sh.add_argument("--alias", default="champion", help="alias to show (default champion)")
+    sh.add_argument("--config", action="store_true", help="also print the training config.yaml")
+    rb = mo_sub.add_parser("rollback", help="champion := previous-champion (or --to VERSION)", parents=[mo_opts])
+    rb.add_argument("name")
+    rb.add_argument("--to", default=None, help="version to restore (default: previous-champion)")
+    for p in (ls, sh, rb):
+        p.set_defaults(func=_cmd_models)
+
+    sj = sub.add_parser("submit", help="run a command as a Ray Job on a cluster and follow it: submit -- CMD...")
+    sj.add_argument("--address", default=None,
+                    help="Ray dashboard (http://host:8265) or cluster address (default RAY_ADDRESS, else local)")
+    sj.add_argument("--env", action="append", default=None, metavar="KEY=VALUE", help="environment of the job")
+    sj.add_argument("--no-wait", action="store_true", help="submit and return without following the logs")
+    sj.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. proxydml retrain ...")
+    sj.set_defaults(func=_cmd_submit)
     return parser
 
 

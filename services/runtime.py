@@ -260,3 +260,47 @@ def tune_sweep(spec: Any, *, parent_run_id: str, mlflow_uri: str, storage_root: 
             "error": repr(result.error) if result.error else None,
         })
     return trials
+
+
+# -- Ray Jobs ----------------------------------------------------------------------------------
+def run_job(entrypoint: str, *, address: str | None = None, env: dict[str, str] | None = None,
+            follow: bool = True, poll_s: float = 1.0, out: Any = None) -> tuple[str, str, int | None]:
+    """Submit ``entrypoint`` as a Ray Job and (``follow``) stream its logs until it ends.
+
+    ``address``: the cluster's dashboard (``http://host:8265``) or GCS address; None = RAY_ADDRESS,
+    else the local running cluster. Returns (submission id, final status, driver exit code);
+    with ``follow=False`` the status is the one right after submission.
+    """
+    import asyncio
+    import sys
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    out = out or sys.stdout
+    # Ray lets RAY_ADDRESS override an explicit address; an explicit --address must win.
+    hidden = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+              if address and k in os.environ}
+    try:
+        client = JobSubmissionClient(address)
+    finally:
+        os.environ.update(hidden)
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env} if env else None)
+    print(f"submitted Ray job {job_id} to {client.get_address()}: {entrypoint}", file=out, flush=True)
+    if not follow:
+        return job_id, str(client.get_job_status(job_id)), None
+
+    async def tail() -> None:
+        async for lines in client.tail_job_logs(job_id):
+            out.write(lines)
+            out.flush()
+
+    try:
+        asyncio.run(tail())
+    except Exception as exc:  # the log stream broke (proxy, restart): keep polling the status
+        print(f"(log stream ended: {exc}; polling the job status)", file=out, flush=True)
+    terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    while (status := client.get_job_status(job_id)) not in terminal:
+        time.sleep(poll_s)
+    info = client.get_job_info(job_id)
+    return job_id, str(status.value if hasattr(status, "value") else status), info.driver_exit_code

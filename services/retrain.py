@@ -1,0 +1,623 @@
+"""Scheduled retraining: train on a data snapshot, compare with the champion, promote if better.
+
+One call of :func:`retrain`:
+
+1. verifies the snapshot (a local folder or ``s3://bucket/prefix``, downloaded to a cache):
+   ``manifest.json`` lists every file with its sha256 plus an overall checksum; the
+   evaluation classes (``test/``) must not overlap the training classes (``train/``);
+2. builds the config: the champion version's ``config.yaml``, a recipe, or a sweep's best
+   config, then the overrides, then ``data.name=folder data.root=<snapshot>``;
+3. returns the earlier result when a version for the same (model, snapshot, config hash)
+   exists -- the run name is derived from exactly that, so a crashed call resumes the same
+   Ray run and MLflow run;
+4. takes the model's lock on the tracking server (:class:`services.registry.TrackingLock`);
+5. trains with :func:`services.training.train` (Ray Train, sharded as usual);
+6. evaluates the candidate and the current champion on the snapshot's evaluation split, each
+   with its own config's transforms (single process);
+7. registers the candidate as a new version with its tags, and moves ``champion`` only if it
+   beats the champion by ``margin`` (``previous-champion`` keeps the old one).
+
+Nothing is registered unless training and both evaluations succeeded; a failed registration
+is undone (``services.registry.register_version``). This module never imports Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
+from pipelines.data import DataError
+
+MANIFEST = "manifest.json"
+SPLITS = ("train", "test")
+METRICS = ("map_at_r", "r_precision", "precision_at_1")
+DEFAULT_MARGIN = 0.005
+DEFAULT_METRIC = "map_at_r"
+EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: "try again later" -- what a cron wrapper should see
+_HASH_CHUNK = 1 << 20
+
+
+class RetrainError(ValueError):
+    """Bad input to a retrain (snapshot, source, arguments); the message says what to fix."""
+
+
+# ================================================================ snapshots ===================
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A verified data snapshot on local disk."""
+
+    root: Path
+    snapshot_id: str
+    checksum: str
+    source: str
+    files: int
+    train_classes: tuple[str, ...]
+    test_classes: tuple[str, ...]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_checksum(files: dict[str, str]) -> str:
+    """Overall checksum: sha256 of ``"<sha256>  <path>\\n"`` lines sorted by path (sha256sum style)."""
+    listing = "".join(f"{files[p]}  {p}\n" for p in sorted(files))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _data_files(root: Path) -> list[str]:
+    """Every file under train/ and test/, as POSIX paths relative to ``root``."""
+    out = []
+    for split in SPLITS:
+        base = root / split
+        if base.is_dir():
+            out += [p.relative_to(root).as_posix() for p in sorted(base.rglob("*")) if p.is_file()]
+    return out
+
+
+def write_manifest(root: str | Path, snapshot_id: str) -> dict[str, Any]:
+    """Write ``root/manifest.json`` for an image-folder snapshot and return it."""
+    root = Path(root)
+    if not snapshot_id:
+        raise RetrainError("a snapshot id is required")
+    files = {rel: sha256_file(root / rel) for rel in _data_files(root)}
+    if not files:
+        raise RetrainError(f"{root} holds no files under train/ or test/")
+    manifest = {"snapshot_id": snapshot_id, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": files, "checksum": manifest_checksum(files)}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def parse_manifest(text: str, where: str) -> dict[str, Any]:
+    """Check a manifest's structure and its overall checksum against its own file list."""
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RetrainError(f"{where}: {MANIFEST} is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise RetrainError(f"{where}: {MANIFEST} must be a JSON object")
+    sid, files, checksum = manifest.get("snapshot_id"), manifest.get("files"), manifest.get("checksum")
+    if not isinstance(sid, str) or not sid.strip():
+        raise RetrainError(f"{where}: {MANIFEST} has no snapshot_id")
+    if not isinstance(files, dict) or not files:
+        raise RetrainError(f"{where}: {MANIFEST} lists no files (empty snapshot)")
+    if not isinstance(checksum, str) or not checksum:
+        raise RetrainError(f"{where}: {MANIFEST} has no checksum")
+    for rel, digest in files.items():
+        parts = rel.split("/")
+        # Only train/<class>/<file> and test/<class>/<file>: nothing outside the snapshot.
+        if len(parts) != 3 or parts[0] not in SPLITS or any(p in ("", ".", "..") for p in parts) or rel.startswith("/"):
+            raise RetrainError(f"{where}: {MANIFEST} lists {rel!r}; expected train/<class>/<file> or test/<class>/<file>")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise RetrainError(f"{where}: {MANIFEST}: {rel} has no sha256")
+    actual = manifest_checksum(files)
+    if actual != checksum:
+        raise RetrainError(f"{where}: checksum mismatch: {MANIFEST} says {checksum[:16]}..., "
+                           f"its file list hashes to {actual[:16]}...")
+    return manifest
+
+
+def verify_snapshot(root: Path, source: str | None = None) -> Snapshot:
+    """Verify a local snapshot against its manifest: every file, nothing unlisted, class split."""
+    source = source or str(root)
+    if not root.exists():
+        raise RetrainError(f"snapshot {source} does not exist")
+    if not root.is_dir():
+        raise RetrainError(f"snapshot {source} is not a folder")
+    if not (root / MANIFEST).is_file():
+        empty = not any(root.iterdir())
+        raise RetrainError(f"snapshot {source} is {'empty' if empty else f'missing {MANIFEST}'}")
+    manifest = parse_manifest((root / MANIFEST).read_text(), source)
+    files: dict[str, str] = manifest["files"]
+    for rel, digest in sorted(files.items()):
+        path = root / rel
+        if not path.is_file():
+            raise RetrainError(f"snapshot {source}: {rel} is listed in {MANIFEST} but missing")
+        if sha256_file(path) != digest:
+            raise RetrainError(f"snapshot {source}: checksum mismatch for {rel}")
+    # A file the manifest does not list would be trained on unverified.
+    extra = sorted(set(_data_files(root)) - set(files))
+    if extra:
+        raise RetrainError(f"snapshot {source}: {len(extra)} file(s) not in {MANIFEST}, e.g. {extra[0]}")
+    classes = {s: sorted({rel.split("/")[1] for rel in files if rel.startswith(s + "/")}) for s in SPLITS}
+    for split, what in (("train", "training"), ("test", "evaluation")):
+        if len(classes[split]) < 2:
+            raise RetrainError(f"snapshot {source}: {split}/ holds {len(classes[split])} {what} class(es); need >= 2")
+    overlap = sorted(set(classes["train"]) & set(classes["test"]))
+    if overlap:
+        raise RetrainError(
+            f"snapshot {source}: evaluation classes overlap training classes ({', '.join(overlap[:10])}): "
+            "test/ must hold only classes unseen in training"
+        )
+    return Snapshot(root=root.resolve(), snapshot_id=manifest["snapshot_id"], checksum=manifest["checksum"],
+                    source=source, files=len(files), train_classes=tuple(classes["train"]),
+                    test_classes=tuple(classes["test"]))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PROXYDML_CACHE") or Path.home() / ".cache" / "proxydml") / "snapshots"
+
+
+def _safe(text: str, limit: int = 48) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:limit] or "x"
+
+
+def s3_client() -> Any:
+    """boto3 S3 client; endpoint from $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL like runtime.storage."""
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        # A local S3-compatible server: never let the SDK fall back to the cloud metadata address.
+        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    return boto3.client("s3", endpoint_url=endpoint or None,
+                        config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
+
+
+def fetch_snapshot(location: str, cache_dir: Path | None = None) -> Snapshot:
+    """A verified local copy of a snapshot (local folder: verified in place)."""
+    if not location:
+        raise RetrainError("--data must name a snapshot folder or s3://bucket/prefix")
+    if not location.startswith("s3://"):
+        return verify_snapshot(Path(location.removeprefix("file://")), location)
+    bucket, _, prefix = location.removeprefix("s3://").partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise RetrainError(f"--data {location}: no bucket")
+    s3 = s3_client()
+    key = f"{prefix}/{MANIFEST}" if prefix else MANIFEST
+    try:
+        text = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    except s3.exceptions.NoSuchKey as exc:
+        raise RetrainError(f"snapshot {location} is missing or empty (no {MANIFEST})") from exc
+    except s3.exceptions.NoSuchBucket as exc:
+        raise RetrainError(f"snapshot {location}: bucket {bucket!r} does not exist") from exc
+    manifest = parse_manifest(text, location)  # fail before downloading anything
+    # Cache by content: the same snapshot always lands in the same folder, so data.root (and
+    # hence a resumed Ray run) is stable across calls.
+    local = (cache_dir or default_cache_dir()) / f"{_safe(manifest['snapshot_id'])}-{manifest['checksum'][:12]}"
+    local.mkdir(parents=True, exist_ok=True)
+    for rel, digest in sorted(manifest["files"].items()):
+        dest = local / rel
+        if dest.is_file() and sha256_file(dest) == digest:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        try:
+            s3.download_file(bucket, f"{prefix}/{rel}" if prefix else rel, str(part))
+        except Exception as exc:
+            raise RetrainError(f"snapshot {location}: cannot download {rel}: {exc}") from exc
+        part.replace(dest)
+    (local / MANIFEST).write_text(text)
+    return verify_snapshot(local, location)
+
+
+# ================================================================ configs =====================
+
+
+def config_hash(cfg: Config) -> str:
+    """What defines a candidate besides its data: the whole config minus where it runs.
+
+    Scaling and tracking are left out (a resumed run may use another worker count), and so is
+    data.root (the snapshot id stands for the data; an S3 snapshot's cache path is local).
+    Unlike ``Config.experiment_hash`` the epoch count is in: more epochs = another candidate.
+    """
+    d = cfg.to_dict()
+    d.pop("scaling")
+    d.pop("tracking")
+    d["data"].pop("root")
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def run_name(model: str, snapshot_id: str, cfg_hash: str) -> str:
+    """Deterministic: Ray resumes by it, MLflow finds the run by it, the registry by its tag."""
+    return f"retrain-{_safe(model, 40)}-{_safe(snapshot_id, 40)}-{cfg_hash}"
+
+
+def _strip_tracking(values: dict[str, Any]) -> dict[str, Any]:
+    # Where the source config ran is not where this one runs: keep only experiment and storage.
+    tracking = dict(values.get("tracking") or {})
+    values = dict(values)
+    values["tracking"] = {k: v for k, v in tracking.items() if k in ("experiment", "storage_path") and v}
+    return values
+
+
+def build_config(base: dict[str, Any], overrides: list[str], snapshot: Snapshot, *, model: str,
+                 tracking_uri: str) -> Config:
+    """Source config + overrides + the snapshot as a folder dataset, validated."""
+    values = merge(_strip_tracking(base), parse_overrides(overrides))
+    values = merge(values, {"data": {"name": "folder", "root": str(snapshot.root)}})
+    tracking = dict(values.get("tracking") or {})
+    tracking["tracking_uri"] = tracking_uri
+    tracking.setdefault("experiment", f"proxydml-retrain-{model}")
+    values["tracking"] = tracking
+    cfg = from_dict(values)
+    cfg.tracking.run_name = run_name(model, snapshot.snapshot_id, config_hash(cfg))
+    return cfg
+
+
+# ================================================================ evaluation ==================
+
+
+def _embed(model: Any, dataset: Any, batch_size: int) -> tuple[Any, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    try:  # an mlflow pt2 (exported) module refuses .eval(); a checkpoint model needs it
+        model.eval()
+    except (NotImplementedError, RuntimeError):
+        pass
+    embs, labels = [], []
+    with torch.no_grad():
+        for images, y, _ in DataLoader(dataset, batch_size=batch_size):
+            embs.append(model(images).float())
+            labels.append(y)
+    return torch.cat(embs), torch.cat(labels)
+
+
+def snapshot_overrides(snapshot: Snapshot) -> list[str]:
+    """The only config change evaluation makes: read the snapshot as a folder dataset."""
+    return ["data.name=folder", f"data.root={snapshot.root}"]
+
+
+def evaluate_split(cfg: Config, model: Any, split: Any) -> dict[str, float]:
+    """Retrieval metrics of ``model`` on ``split.test`` (every item queries all the others)."""
+    from pipelines.evaluate import retrieval_metrics
+
+    emb, labels = _embed(model, split.test, cfg.data.eval_batch_size)
+    return retrieval_metrics(emb, labels, recall_ks=tuple(cfg.train.recall_ks), nmi=cfg.train.nmi)
+
+
+def load_run_model(client: Any, run_id: str, snapshot: Snapshot,
+                   fallback_uri: str | None = None) -> tuple[Config, Any, Any]:
+    """(config, embedder, snapshot split) of a training run, ready to evaluate on ``snapshot``.
+
+    The run's checkpoint artifacts (config.yaml + model.pt) are loaded with the pipeline's own
+    ``load_model``; the model's config keeps deciding the evaluation transforms (image size,
+    resize), only the data location changes, so candidate and champion see the same images.
+    A run without checkpoint artifacts falls back to its MLflow model (``fallback_uri``).
+    """
+    from pipelines.train import load_model
+
+    overrides = snapshot_overrides(snapshot)
+    with tempfile.TemporaryDirectory(prefix="proxydml-retrain-") as tmp:
+        folder = Path(tmp) / "checkpoint"
+        folder.mkdir()
+        try:
+            for name in ("config.yaml", "model.pt"):  # not optimizer.pt: it can be large
+                client.download_artifacts(run_id, f"checkpoint/{name}", str(folder))
+            have_checkpoint = True
+        except Exception:
+            have_checkpoint = False
+        if have_checkpoint:
+            return load_model(folder, overrides)
+        if fallback_uri is None:
+            raise FileNotFoundError(f"run {run_id} has no checkpoint/ artifacts")
+        import mlflow.pytorch
+
+        from pipelines.data import build_datasets
+
+        cfg_path = client.download_artifacts(run_id, "config.yaml", tmp)
+        cfg = from_dict(merge(load_yaml(cfg_path), parse_overrides(overrides)))
+        return cfg, mlflow.pytorch.load_model(fallback_uri), build_datasets(cfg.data)
+
+
+# ================================================================ the flow ====================
+
+
+@dataclass
+class RetrainRequest:
+    """What ``proxydml retrain`` was asked to do."""
+
+    model: str
+    data: str
+    config: str | None = None
+    from_champion: bool = False
+    from_sweep: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    margin: float = DEFAULT_MARGIN
+    metric: str = DEFAULT_METRIC
+    tracking_uri: str | None = None
+    address: str | None = None
+    cache_dir: Path | None = None
+    lock_ttl_s: float = 900.0
+
+
+@dataclass
+class RetrainResult:
+    """What was decided (or found already decided) and why."""
+
+    model: str
+    version: str
+    decision: str  # "promoted" | "kept-champion"
+    reason: str
+    metric: str
+    candidate: dict[str, float]
+    champion: dict[str, float] | None
+    champion_version: str | None
+    snapshot_id: str
+    config_hash: str
+    run_name: str
+    run_id: str
+    reused: bool = False
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        head = "already done: " if self.reused else ""
+        out = [f"{head}model {self.model} version {self.version} (snapshot {self.snapshot_id}, "
+               f"config {self.config_hash}, run {self.run_name})"]
+        cand = self.candidate.get(self.metric)
+        champ = (self.champion or {}).get(self.metric)
+        out.append(f"  candidate {self.metric} = {_fmt(cand)}"
+                   + (f"; champion v{self.champion_version} {self.metric} = {_fmt(champ)}" if self.champion_version else ""))
+        verb = "PROMOTED to champion" if self.decision == "promoted" else "NOT promoted: champion kept"
+        out.append(f"decision: {verb} -- {self.reason}")
+        if self.reused:
+            out.append("  nothing retrained: a version for this (model, snapshot, config) exists")
+        return out
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def decide(candidate: float | None, champion: float | None, margin: float, metric: str,
+           champion_version: str | None) -> tuple[bool, str]:
+    """Promote when there is no champion, or the candidate beats it by at least ``margin``."""
+    if candidate is None or not math.isfinite(candidate):
+        return False, f"candidate {metric} is {candidate}"
+    if champion_version is None:
+        return True, "no champion yet"
+    if champion is None or not math.isfinite(champion):
+        return True, f"champion v{champion_version} has no finite {metric} on this snapshot"
+    gain = candidate - champion
+    if gain >= margin:
+        return True, f"{metric} {candidate:.4f} vs {champion:.4f} (+{gain:.4f} >= margin {margin:g})"
+    return False, f"{metric} {candidate:.4f} vs {champion:.4f} ({gain:+.4f} < margin {margin:g})"
+
+
+def resolve_tracking_uri(explicit: str | None, overrides: Iterable[str]) -> str:
+    """--tracking-uri, else a tracking.tracking_uri override, else $MLFLOW_TRACKING_URI, else local."""
+    if explicit:
+        return explicit
+    from_override = (parse_overrides(list(overrides)).get("tracking") or {}).get("tracking_uri")
+    if from_override:
+        return str(from_override)
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    from services.mlflow_tracking import local_store
+
+    return local_store()[0]
+
+
+def check_metric(metric: str) -> None:
+    if metric not in METRICS and not re.fullmatch(r"recall_at_\d+", metric):
+        raise RetrainError(f"--metric {metric!r} is not a reported retrieval metric "
+                           f"({', '.join(METRICS)}, recall_at_K)")
+
+
+def source_config(req: RetrainRequest, client: Any, uri: str) -> tuple[dict[str, Any], str]:
+    """(config values, description of where they came from) for the candidate."""
+    from services import registry
+
+    chosen = [x for x in (req.config is not None, req.from_champion, req.from_sweep is not None) if x]
+    if len(chosen) > 1:
+        raise RetrainError("give at most one of --config, --from-champion, --from-sweep")
+    if req.config is not None:
+        return load_yaml(resolve_recipe(req.config)), f"recipe {req.config}"
+    if req.from_sweep is not None:
+        from services.sweep import best_config
+
+        try:
+            text = best_config(req.from_sweep, uri)
+        except FileNotFoundError as exc:
+            raise RetrainError(str(exc)) from exc
+        return yaml.safe_load(text) or {}, f"best config of sweep {req.from_sweep}"
+    # --from-champion, also the default: the champion's training config.
+    if registry.get_model(client, req.model) is None:
+        if req.from_champion:
+            registry.require_model(client, req.model)  # raises, listing known models
+        raise RetrainError(f"model {req.model!r} is not registered yet: give --config RECIPE "
+                           "or --from-sweep SWEEP for its first version")
+    champ = registry.champion(client, req.model)
+    if champ is None:
+        raise RetrainError(f"model {req.model!r} has no {registry.CHAMPION!r} alias; give --config or --from-sweep")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(champ.run_id, "config.yaml", tmp)
+        except Exception as exc:
+            raise RetrainError(f"champion v{champ.version} of {req.model!r} (run {champ.run_id}) "
+                               f"has no config.yaml artifact: {exc}") from exc
+        return load_yaml(path), f"champion v{champ.version}"
+
+
+def existing_result(client: Any, model: str, key: str, metric: str) -> RetrainResult | None:
+    """The registered outcome of an earlier call with the same run name, if any."""
+    from services import registry
+
+    if registry.get_model(client, model) is None:
+        return None
+    done = [v for v in registry.versions(client, model, {"retrain_key": key})
+            if v.tags.get(registry.FAILED_TAG) != "failed"]
+    if not done:
+        return None
+    v = done[0]
+    tags = v.tags
+
+    def metrics(prefix: str) -> dict[str, float]:
+        return {k[len(prefix):]: float(val) for k, val in tags.items() if k.startswith(prefix)}
+
+    return RetrainResult(
+        model=model, version=str(v.version), decision=tags.get("decision", "?"), reason=tags.get("reason", ""),
+        metric=tags.get("metric", metric), candidate=metrics("candidate."), champion=metrics("champion.") or None,
+        champion_version=tags.get("champion_version") or None, snapshot_id=tags.get("snapshot_id", "?"),
+        config_hash=tags.get("config_hash", "?"), run_name=key, run_id=v.run_id or "", reused=True,
+    )
+
+
+def _code_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("proxydml")
+    except Exception:
+        return "unknown"
+
+
+def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
+            register_hook: Callable[[str], None] | None = None) -> RetrainResult:
+    """Run one retrain (see the module docstring). Raises RetrainError/ConfigError/DataError on
+    bad input before anything is trained or registered, and registry.LockHeld when another
+    retrain of the same model is running."""
+    from mlflow.tracking import MlflowClient
+
+    from services import registry
+
+    started = time.monotonic()
+    registry.check_model_name(req.model)
+    check_metric(req.metric)
+    if not (req.margin >= 0 and math.isfinite(req.margin)):
+        raise RetrainError(f"--margin must be a finite number >= 0, got {req.margin}")
+    uri = resolve_tracking_uri(req.tracking_uri, req.overrides)
+    client = MlflowClient(uri)
+
+    snapshot = fetch_snapshot(req.data, req.cache_dir)
+    log(f"snapshot {snapshot.snapshot_id}: {snapshot.files} files verified, {len(snapshot.train_classes)} "
+        f"training / {len(snapshot.test_classes)} evaluation classes ({snapshot.root})")
+    base, origin = source_config(req, client, uri)
+    cfg = build_config(base, req.overrides, snapshot, model=req.model, tracking_uri=uri)
+    cfg_hash = config_hash(cfg)
+    key = cfg.run_name()
+
+    found = existing_result(client, req.model, key, req.metric)
+    if found is not None:
+        found.seconds = time.monotonic() - started
+        return found
+
+    from services import training
+
+    training.check_data(cfg)  # data problems fail here, before the lock and any worker
+    log(f"config from {origin} (hash {cfg_hash}); run {key}; tracking {uri}")
+
+    lock = registry.TrackingLock(client, req.model, ttl_s=req.lock_ttl_s)
+    lock.acquire()
+    try:
+        found = existing_result(client, req.model, key, req.metric)  # finished while we waited
+        if found is not None:
+            found.seconds = time.monotonic() - started
+            return found
+        outcome = training.train(cfg, address=req.address)
+        log(f"trained: run {outcome.mlflow_run_id}{' (resumed)' if outcome.resumed else ''}")
+
+        candidate = evaluate_split(*load_run_model(client, outcome.mlflow_run_id, snapshot))
+        champ = registry.champion(client, req.model)
+        champion_metrics = None
+        if champ is not None:
+            champion_metrics = evaluate_split(
+                *load_run_model(client, champ.run_id, snapshot, f"models:/{req.model}/{champ.version}"))
+        champ_version = str(champ.version) if champ is not None else None
+        promote, reason = decide(candidate.get(req.metric), (champion_metrics or {}).get(req.metric),
+                                 req.margin, req.metric, champ_version)
+        decision = "promoted" if promote else "kept-champion"
+
+        tags = {
+            "retrain_key": key, "snapshot_id": snapshot.snapshot_id, "snapshot_checksum": snapshot.checksum,
+            "snapshot_source": snapshot.source, "config_hash": cfg_hash, "config_source": origin,
+            "git_sha": _git_sha(), "code_version": _code_version(), "metric": req.metric,
+            "margin": f"{req.margin:g}", "decision": decision, "reason": reason,
+            "champion_version": champ_version or "", "mlflow_run_id": outcome.mlflow_run_id,
+            **{f"candidate.{k}": f"{v:.6f}" for k, v in candidate.items()},
+            **{f"champion.{k}": f"{v:.6f}" for k, v in (champion_metrics or {}).items()},
+        }
+        lock.verify()  # never register on a lock that was taken over
+        reg = registry.register_version(
+            client, req.model, run_id=outcome.mlflow_run_id, tags=tags, promote_it=promote,
+            description=f"retrained on snapshot {snapshot.snapshot_id} from {origin}: {decision} ({reason})",
+            model_tags={"framework": "proxydml", "task": "image-embedding"}, hook=register_hook,
+        )
+        _tag_run(client, outcome.mlflow_run_id, req.model, reg.version.version, decision, reason)
+    finally:
+        lock.release()
+    return RetrainResult(
+        model=req.model, version=str(reg.version.version), decision=decision, reason=reason, metric=req.metric,
+        candidate=candidate, champion=champion_metrics, champion_version=champ_version,
+        snapshot_id=snapshot.snapshot_id, config_hash=cfg_hash, run_name=key, run_id=outcome.mlflow_run_id,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _git_sha() -> str:
+    from services.mlflow_tracking import git_sha
+
+    return git_sha()
+
+
+def _tag_run(client: Any, run_id: str, model: str, version: str, decision: str, reason: str) -> None:
+    # Convenience only (the registry holds the truth): a failure here must not undo a
+    # registration that succeeded.
+    try:
+        client.set_tag(run_id, "registered_model", f"{model}/{version}")
+        client.set_tag(run_id, "retrain.decision", decision)
+        client.set_tag(run_id, "retrain.reason", reason)
+    except Exception as exc:
+        print(f"warning: could not tag run {run_id}: {exc}", file=sys.stderr)
+
+
+USER_ERRORS = (RetrainError, ConfigError, DataError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.retrain manifest ROOT SNAPSHOT_ID``: write a snapshot manifest."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "manifest":
+        print("usage: python -m services.retrain manifest ROOT SNAPSHOT_ID", file=sys.stderr)
+        return 2
+    manifest = write_manifest(args[1], args[2])
+    print(f"{Path(args[1]) / MANIFEST}: {len(manifest['files'])} files, checksum {manifest['checksum']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
