@@ -149,10 +149,6 @@ class MlflowTracker:
 
     def __init__(self, run_id: str, uri: str, *, max_backoff_s: float = 10.0,
                  spool_dir: Path | None = None) -> None:
-        # One quick HTTP attempt per call: the retry policy lives here, not in MLflow's
-        # client (whose default backoff can block a caller for minutes).
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         self.run_id = run_id
         self.client = MlflowClient(uri)
         self.max_backoff_s = max_backoff_s

@@ -93,6 +93,10 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
         return
     from services.mlflow_tracking import MlflowTracker
 
+    # In this worker process only: one quick HTTP attempt per call, so the tracker's own
+    # buffer-and-backoff loop notices an outage at once instead of inside MLflow's retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     tracker = MlflowTracker(run_id, loop_config["mlflow_uri"])
     try:
         # The run id travels in every checkpoint: a restarted worker continues the same run.
