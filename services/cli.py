@@ -1,4 +1,4 @@
-"""``proxydml`` command line: train, eval, config show, data build.
+"""``proxydml`` command line: config, train, eval, tune, report, data, stack, retrain, models, submit.
 
 Every user error (bad config key or value, missing file, unusable data) ends with one line
 ``error: ...`` on stderr and exit code 2, before anything is started or written.
