@@ -38,17 +38,33 @@ def doc(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
 @dataclass
 class DataConfig:
     name: str = doc("dataset: digits | emoji | cub | cars | sop | inshop | folder", "digits")
-    root: str = doc("dataset folder (file-based datasets); empty = the dataset's default", "")
+    root: str = doc("dataset folder (file-based datasets); empty = ./data/<data.name>, e.g. ./data/emoji", "")
     batch_size: int = doc("global batch size (split evenly over the workers)", 64)
     samples_per_class: int = doc(
-        "class-balanced sampling: n samples per class per batch (0 = plain shuffling)", 4
+        "class-balanced sampling: n samples per class per batch (0 = plain shuffling)", 16
     )
-    image_size: int = doc("training/eval image side in pixels (0 = the dataset's native size)", 0)
+    image_size: int = doc(
+        "training crop / eval centre-crop side in pixels, e.g. 224, 227, 256 (0 = native: the built "
+        "size for emoji, 224 for cub/cars/sop/inshop, the files' own size for folder)", 0
+    )
     loader_workers: int = doc("DataLoader decoding processes per training worker", 0)
     eval_batch_size: int = doc("batch size when embedding the evaluation set", 256)
+    random_flip: bool = doc(
+        "training: random horizontal flips (off for emoji: a flip turns directional emoji into other classes)",
+        True,
+    )
+    crop_scale_min: float = doc("training: RandomResizedCrop smallest area fraction (1.0 = no crop)", 0.08)
+    eval_resize: int = doc("evaluation: resize the short side to this, then centre-crop image_size (0 = 8/7 x)", 0)
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size)
+        _non_negative("data.eval_resize", self.eval_resize)
+        if not 0 < self.crop_scale_min <= 1:
+            raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.crop_scale_min}")
+        if self.eval_resize and self.image_size and self.eval_resize < self.image_size:
+            raise ConfigError(
+                f"data.eval_resize ({self.eval_resize}) must be >= data.image_size ({self.image_size})"
+            )
         _positive("data.eval_batch_size", self.eval_batch_size)
         _non_negative("data.samples_per_class", self.samples_per_class)
         _non_negative("data.image_size", self.image_size)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pipelines.backbones import BACKBONE_BUILDERS
 from pipelines.config import ModelConfig
 
 
@@ -27,6 +28,8 @@ def _convnet(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
 
 BackboneBuilder = Callable[[ModelConfig, int], tuple[nn.Module, int]]
 BACKBONES: dict[str, BackboneBuilder] = {"convnet": _convnet}
+# ImageNet-style backbones (efficientnet_lite0, resnet50, bninception) live in backbones.py.
+BACKBONES.update(BACKBONE_BUILDERS)
 
 
 class GlobalPool(nn.Module):

@@ -51,6 +51,10 @@ class DataSplit:
     # Optional In-Shop style split: indices into ``test`` used as queries / gallery.
     query_indices: list[int] | None = None
     gallery_indices: list[int] | None = None
+    # Optional evaluation group of each ``test`` item (emoji: the design family). A report with
+    # ``retrieval_metrics(..., exclude_same_group=(test_groups, None))`` then drops a query's own
+    # group from its candidates (e.g. OpenMoji black when the query is OpenMoji colour).
+    test_groups: list[int] | None = None
 
 
 def dataset_labels(dataset: Dataset) -> list[int]:
@@ -98,14 +102,62 @@ def _folder(cfg: DataConfig) -> DataSplit:
     return DataSplit(train=train, test=test, num_classes=len(train.classes))
 
 
-DATASETS = {"digits": _digits, "folder": _folder}
+def _emoji(cfg: DataConfig) -> DataSplit:
+    from pipelines.data.emoji import emoji_split
+
+    return emoji_split(cfg)
+
+
+def _standard(name: str):
+    def load(cfg: DataConfig) -> DataSplit:
+        from pipelines.data import standard
+
+        return getattr(standard, name)(cfg)
+
+    load.__name__ = f"_{name}"
+    return load
+
+
+DATASETS = {
+    "digits": _digits,
+    "folder": _folder,
+    "emoji": _emoji,
+    **{name: _standard(name) for name in ("cub", "cars", "sop", "inshop")},
+}
+
+
+def check_training_classes(split: DataSplit, cfg: DataConfig) -> list[int]:
+    """Training classes with a single image: refused under class-balanced sampling.
+
+    With ``samples_per_class`` n >= 2 such a class would fill its n slots with copies of one
+    image (positives that teach nothing), so it is an error naming the classes. With plain
+    shuffling a proxy loss can still use it; the classes are returned (and printed) so that
+    nothing is skipped or kept silently.
+    """
+    counts: dict[int, int] = {}
+    for y in dataset_labels(split.train):
+        counts[y] = counts.get(y, 0) + 1
+    single = sorted(c for c, n in counts.items() if n == 1)
+    if single and cfg.samples_per_class >= 2:
+        names = getattr(split.train, "classes", None)
+        shown = [str(names[c]) if names is not None and c < len(names) else str(c) for c in single[:5]]
+        raise DataError(
+            f"dataset {cfg.name!r}: {len(single)} training class(es) have a single image "
+            f"(e.g. {', '.join(shown)}); data.samples_per_class={cfg.samples_per_class} needs >= 2 "
+            "images per class: remove them or set data.samples_per_class=0"
+        )
+    return single
 
 
 def build_datasets(cfg: DataConfig) -> DataSplit:
     """Build the train/eval split named by ``cfg.name`` and check it."""
     if cfg.name not in DATASETS:
         raise ConfigError(f"data.name: unknown dataset {cfg.name!r}; known: {', '.join(DATASETS)}")
-    return check_split(DATASETS[cfg.name](cfg), cfg.name)
+    split = check_split(DATASETS[cfg.name](cfg), cfg.name)
+    single = check_training_classes(split, cfg)
+    if single:
+        print(f"note: dataset {cfg.name!r}: {len(single)} training class(es) have a single image (kept)")
+    return split
 
 
 def build_batch_sampler(
@@ -130,5 +182,6 @@ __all__ = [
     "build_batch_sampler",
     "build_datasets",
     "check_split",
+    "check_training_classes",
     "dataset_labels",
 ]

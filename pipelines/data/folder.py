@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torchvision import datasets, transforms
+from torchvision import datasets
 
 from pipelines.config import DataConfig
+from pipelines.data.transforms import eval_transform, load_image, train_transform
 
 
 class ImageFolderDataset(datasets.ImageFolder):
@@ -15,12 +16,7 @@ class ImageFolderDataset(datasets.ImageFolder):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
         path, label = self.samples[index]
-        try:
-            image = self.loader(path)
-        except Exception as exc:  # PIL raises several types for a bad file
-            from pipelines.data import DataError
-
-            raise DataError(f"cannot decode image {path}: {exc}") from exc
+        image = load_image(Path(path))  # RGB; DataError naming the file if it cannot be decoded
         if self.transform is not None:
             image = self.transform(image)
         return image, label, index
@@ -32,15 +28,17 @@ def image_folder(cfg: DataConfig) -> tuple[ImageFolderDataset, ImageFolderDatase
     root = Path(cfg.root)
     if not cfg.root:
         raise DataError("data.root must name the image folder for data.name=folder")
-    steps = [transforms.Resize((cfg.image_size, cfg.image_size))] if cfg.image_size else []
-    tf = transforms.Compose([*steps, transforms.ToTensor()])
     out = []
     for part in ("train", "test"):
+        # Recipe transforms (random crop/flip for training, resize + centre crop to evaluate);
+        # image_size 0 keeps the files' own size.
+        size = cfg.image_size
+        tf = train_transform(cfg, size) if part == "train" else eval_transform(cfg, size)
         folder = root / part
         if not folder.is_dir():
             raise DataError(f"image folder {folder} does not exist")
         try:
             out.append(ImageFolderDataset(str(folder), transform=tf))
-        except (FileNotFoundError, PermissionError) as exc:
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             raise DataError(f"image folder {folder}: {exc}") from exc
     return out[0], out[1]

@@ -1,0 +1,90 @@
+"""Image transforms per recipe and the file-list dataset every file-based loader uses.
+
+Training: ``RandomResizedCrop(image_size, scale=(crop_scale_min, 1))`` + an optional horizontal
+flip (``data.random_flip``; emoji recipes turn it off). Evaluation: resize the short side to
+``eval_resize`` (default ``8/7 x image_size``: 256 for 224) + centre crop ``image_size``. Both end
+in ``ToTensor`` (values in ``[0, 1]``): normalisation belongs to the backbone. Decoding happens
+in ``__getitem__``, i.e. in the DataLoader workers (``data.loader_workers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import transforms as T
+
+from pipelines.config import DataConfig
+
+Transform = Callable[[Image.Image], torch.Tensor]
+
+
+def train_transform(cfg: DataConfig, size: int) -> Transform:
+    """PIL image -> (3, size, size) float in [0, 1]; ``size`` 0 keeps the native size (no crop)."""
+    steps: list = []
+    if size:
+        steps.append(T.RandomResizedCrop(size, scale=(cfg.crop_scale_min, 1.0), antialias=True))
+    if cfg.random_flip:
+        steps.append(T.RandomHorizontalFlip())
+    return T.Compose([*steps, T.ToTensor()])
+
+
+def eval_transform(cfg: DataConfig, size: int) -> Transform:
+    """PIL image -> (3, size, size) float in [0, 1]: resize short side, centre crop."""
+    if not size:
+        return T.Compose([T.ToTensor()])
+    resize = cfg.eval_resize or round(size * 8 / 7)
+    return T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(size), T.ToTensor()])
+
+
+class ImageListDataset(Dataset):
+    """Images listed as ``(path, label)``; yields ``(image (3, H, W), label, index)``.
+
+    Every listed file must exist when the dataset is built (one ``stat`` each): a missing
+    file is an error naming it, never a silently shorter dataset. A file that cannot be
+    decoded raises DataError naming it when it is read.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[Path, int]],
+        transform: Transform,
+        name: str,
+        classes: Sequence[str] | None = None,
+    ) -> None:
+        from pipelines.data import DataError
+
+        self.samples = [(Path(p), int(y)) for p, y in samples]
+        self.transform = transform
+        self.name = name
+        self.classes = list(classes) if classes is not None else sorted({str(y) for _, y in self.samples})
+        missing = [p for p, _ in self.samples if not p.is_file()]
+        if missing:
+            raise DataError(
+                f"{name}: {len(missing)} of {len(self.samples)} listed image(s) are missing, e.g. {missing[0]}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def targets(self) -> list[int]:
+        return [y for _, y in self.samples]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        path, label = self.samples[index]
+        return self.transform(load_image(path)), label, index
+
+
+def load_image(path: Path) -> Image.Image:
+    """Decode an image file to RGB; DataError naming the file if it cannot be."""
+    from pipelines.data import DataError
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")  # convert() also forces the full decode inside the try
+    except Exception as exc:  # PIL raises several types for a bad file
+        raise DataError(f"cannot decode image {path}: {exc}") from exc
