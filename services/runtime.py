@@ -77,6 +77,21 @@ class RayReporter:
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
+def _system_metrics(run_id: str, uri: str) -> Any:
+    """MLflow's CPU/memory/disk/network (and GPU) sampler on the rank-0 worker's node.
+
+    Off with MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false; it stops by itself (never raises)
+    if the tracking server goes away, so it cannot disturb training.
+    """
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "true").lower() == "false":
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, tracking_uri=uri)
+    monitor.start()
+    return monitor
+
+
 def _train_loop(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker."""
     # Ray Train logs one INFO line per report on every worker; keep the epoch summaries readable.
@@ -98,10 +113,13 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     tracker = MlflowTracker(run_id, loop_config["mlflow_uri"])
+    monitor = _system_metrics(run_id, loop_config["mlflow_uri"])
     try:
         # The run id travels in every checkpoint: a restarted worker continues the same run.
         train_pipeline.run(cfg, RayReporter(), tracker, extra_state={"mlflow_run_id": run_id})
     finally:
+        if monitor is not None:
+            monitor.finish()
         if not tracker.close(timeout=loop_config.get("flush_timeout_s", 600)):
             print(f"warning: {tracker.pending()} MLflow record(s) could not be delivered", flush=True)
 

@@ -68,6 +68,9 @@ def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_pa
     state = yaml.safe_load((ckpt / "trainer_state.json").read_text())
     assert state["mlflow_run_id"] == first.mlflow_run_id
 
+    # System metrics sampled on the rank-0 worker's node while it trained.
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(run.data.metrics)
+
     loss_history = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
 
     # Same run started again with one more epoch: resumes from epoch 2, same MLflow run.
