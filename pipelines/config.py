@@ -429,16 +429,21 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_recipe(recipe: str | Path) -> Path:
-    """A recipe is a YAML path or the name of a file under ``pipelines/configs``."""
-    path = Path(recipe)
+def find_yaml(name: str | Path, folder: Path, what: str, listing: str) -> Path:
+    """``name`` as a YAML path, else the file ``name[.yaml]`` shipped in ``folder``."""
+    path = Path(name)
     if path.is_file():
         return path
-    for candidate in (CONFIG_DIR / f"{recipe}.yaml", CONFIG_DIR / str(recipe)):
+    for candidate in (folder / f"{name}.yaml", folder / str(name)):
         if candidate.is_file():
             return candidate
-    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"config file {recipe!r} not found (recipes: {known})")
+    known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+    raise ConfigError(f"{what} {str(name)!r} not found ({listing}: {known})")
+
+
+def resolve_recipe(recipe: str | Path) -> Path:
+    """A recipe is a YAML path or the name of a file under ``pipelines/configs``."""
+    return find_yaml(recipe, CONFIG_DIR, "config file", "recipes")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.config import CONFIG_DIR, Config, ConfigError, from_dict, merge
+from pipelines.config import CONFIG_DIR, Config, ConfigError, find_yaml, from_dict, merge
 
 DOMAINS = ("loguniform", "uniform", "choice", "randint", "grid")
 SEARCH_DIR = CONFIG_DIR / "search"
@@ -63,14 +63,7 @@ class SweepSpec:
 
 
 def resolve_space_file(space: str | Path) -> Path:
-    path = Path(space)
-    if path.is_file():
-        return path
-    for candidate in (SEARCH_DIR / f"{space}.yaml", SEARCH_DIR / str(space)):
-        if candidate.is_file():
-            return candidate
-    known = ", ".join(sorted(p.stem for p in SEARCH_DIR.glob("*.yaml")))
-    raise ConfigError(f"search space {space!r} not found (shipped spaces: {known})")
+    return find_yaml(space, SEARCH_DIR, "search space", "shipped spaces")
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
