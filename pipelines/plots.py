@@ -554,7 +554,8 @@ def write_dashboard(
 
     Called by the train loop on rank 0 after the last epoch. ``history``: per-epoch metric
     dicts; ``model``: the (unwrapped) embedding model; ``dataset``: the evaluation set
-    (unseen classes); ``loss_fn``: the loss module (its ``proxies`` (C, d)); ``isa_states``:
+    (unseen classes); ``loss_fn``: the loss module (its ``proxies`` (C, d); with class-sharded
+    proxies the train loop passes rank 0's module, so this is rank 0's shard); ``isa_states``:
     per-epoch :func:`isa_snapshot` dicts (Proxy-ISA only). Skipped (nothing rendered) when
     the tracker is the NullTracker: nobody would see the files. Returns the file names logged.
     """

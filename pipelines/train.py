@@ -1,8 +1,10 @@
 """The training recipe run by every worker: one explicit loop, no trainer framework.
 
 Per step: embed the local slice of the global batch, all-gather the embeddings with gradient,
-compute the proxy loss on the global batch, step. Per epoch: embed the unseen classes,
-compute retrieval metrics, report them with a checkpoint, log them (rank 0).
+compute the loss terms of this rank's proxy shard on the global batch (tiny all-reduces
+combine them into the loss of the global batch, see ``proxies/sharding.py``), step. Per
+epoch: embed the unseen classes, compute retrieval metrics, report them with a checkpoint
+(every rank writes its proxy shard), log them (rank 0).
 """
 
 from __future__ import annotations
@@ -25,21 +27,35 @@ from pipelines.evaluate import retrieval_metrics
 from pipelines.models import EmbeddingModel
 from pipelines.plots import record_isa_state, write_dashboard
 from pipelines.tracking import NullTracker, Reporter, Tracker
-from proxies import build_loss
-from proxies.sharding import gather_replicated
+from proxies import ShardContext, build_loss, load_shard_states, shard_state_dict
 
+# The files every checkpoint has (rank 0 writes them). Rank r > 0 adds its proxy shard as
+# loss.rank{r}.pt (loss_shard_file): loss.pt is rank 0's shard, so a one-worker checkpoint
+# is exactly these files.
 CHECKPOINT_FILES = ("model.pt", "loss.pt", "optimizer.pt", "trainer_state.json", "config.yaml")
 
 
-def build_loss_module(cfg: Config, num_classes: int, generator: torch.Generator) -> nn.Module:
+def loss_shard_file(rank: int) -> str:
+    """File name of rank ``rank``'s loss shard in a checkpoint folder."""
+    return "loss.pt" if rank == 0 else f"loss.rank{rank}.pt"
+
+
+def build_loss_module(
+    cfg: Config, num_classes: int, generator: torch.Generator, shard: ShardContext | None = None
+) -> nn.Module:
+    """The loss of ``cfg`` (its proxies: this rank's class shard when ``shard`` is given)."""
     spec: dict[str, Any] = {"name": cfg.loss.name, **cfg.loss.hyper_parameters()}
     if cfg.synthesis.enabled:
         spec["synthesis"] = {"enabled": True, "alpha": cfg.synthesis.alpha, "mu": cfg.synthesis.mu}
-    return build_loss(spec, num_classes, cfg.model.embedding_dim, generator=generator)
+    return build_loss(spec, num_classes, cfg.model.embedding_dim, generator=generator, shard=shard)
 
 
 def build_optimizer(cfg: Config, model: EmbeddingModel, loss_fn: nn.Module) -> torch.optim.Optimizer:
-    """Three groups: backbone, head (+norm), proxies at ``proxy_lr_multiplier`` x lr."""
+    """Three groups: backbone, head (+norm), proxies at ``proxy_lr_multiplier`` x lr.
+
+    The proxies are this rank's shard (not DDP parameters): their group holds the local rows
+    and their optimiser state (Adam moments) is local too.
+    """
     o = cfg.optim
     groups = [
         {"params": [p for p in model.backbone.parameters() if p.requires_grad], "name": "backbone"},
@@ -120,33 +136,76 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device)
     return metrics
 
 
+def _loss_param_indices(optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> dict[int, str]:
+    """Index in ``optimizer.state_dict()["state"]`` -> name in ``loss_fn`` of each loss parameter
+    (the state dict numbers the parameters of all groups in order)."""
+    names = {id(p): n for n, p in loss_fn.named_parameters()}
+    found, i = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in names:
+                found[i] = names[id(p)]
+            i += 1
+    return found
+
+
 def save_checkpoint(
     directory: Path, cfg: Config, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, generator: torch.Generator, state: dict[str, Any],
-) -> None:
-    """Everything needed to resume exactly; written to a fresh folder, never in place."""
+) -> list[str]:
+    """This rank's part of a checkpoint; written to a fresh folder, never in place.
+
+    Every rank writes its loss shard (:func:`loss_shard_file`: proxies, per-class Proxy-ISA
+    state and the proxies' optimiser state, with the global class range; rank 0's also
+    holds the replicated state: ISA memory queue and phases, Proxy Synthesis generator).
+    Rank 0 also writes the model, the rest of the optimiser state (replicated: DDP keeps
+    the model identical on every rank), the scheduler, the data generator, the trainer
+    state and the config. The file names differ per rank, so the folders of all ranks merge
+    into one checkpoint (Ray Train V2 uploads every rank's folder into the same one).
+    Returns the names of the files written.
+    """
+    rank = loss_fn.shard.rank
+    shard_file = loss_shard_file(rank)
+    torch.save(shard_state_dict(loss_fn, optimizer), directory / shard_file)
+    if rank != 0:
+        return [shard_file]
     torch.save(D.unwrap(model).state_dict(), directory / "model.pt")
-    torch.save(loss_fn.state_dict(), directory / "loss.pt")
+    opt_state = optimizer.state_dict()
+    # The proxies' moments live in the loss shards (per class, resharded on load).
+    proxy_indices = _loss_param_indices(optimizer, loss_fn)
+    opt_state["state"] = {k: v for k, v in opt_state["state"].items() if k not in proxy_indices}
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "generator": generator.get_state()},
+        {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "generator": generator.get_state()},
         directory / "optimizer.pt",
     )
     (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
     (directory / "config.yaml").write_text(cfg.to_yaml())
+    return [shard_file, "model.pt", "optimizer.pt", "trainer_state.json", "config.yaml"]
 
 
 def load_checkpoint(
     directory: Path, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, generator: torch.Generator | None = None,
 ) -> dict[str, Any]:
+    """Restore a checkpoint written by any number of ranks into this rank's modules.
+
+    The loss shards are resharded to this rank's class range (``proxies.load_shard_states``);
+    they are memory-mapped, so a rank reads only the rows it owns.
+    """
     missing = [f for f in CHECKPOINT_FILES if not (directory / f).is_file()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
     model.load_state_dict(torch.load(directory / "model.pt", map_location="cpu", weights_only=True))
-    loss_fn.load_state_dict(torch.load(directory / "loss.pt", map_location="cpu", weights_only=True))
+    shard_files = [directory / "loss.pt", *sorted(directory.glob("loss.rank*.pt"))]
+    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in shard_files]
+    proxy_optim = load_shard_states(loss_fn, shards)
     if optimizer is not None:
         opt = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(opt["optimizer"])
+        opt_state = opt["optimizer"]
+        for index, name in _loss_param_indices(optimizer, loss_fn).items():
+            if name in proxy_optim:
+                opt_state["state"][index] = proxy_optim[name]
+        optimizer.load_state_dict(opt_state)
         if scheduler is not None:
             scheduler.load_state_dict(opt["scheduler"])
         if generator is not None:
@@ -170,7 +229,9 @@ def run(
     in_channels = split.train[0][0].shape[0]
     model = EmbeddingModel(cfg.model, in_channels).to(dev)
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    loss_fn = build_loss_module(cfg, split.num_classes, generator).to(dev)
+    # This rank's contiguous class range of the proxies (all of them with one worker).
+    shard = ShardContext.from_process_group(split.num_classes)
+    loss_fn = build_loss_module(cfg, split.num_classes, generator, shard).to(dev)
     optimizer = build_optimizer(cfg, model, loss_fn)
     scheduler = build_scheduler(cfg, optimizer)
 
@@ -205,8 +266,10 @@ def run(
             images, labels = images.to(dev, non_blocking=True), labels.to(dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
                 local = ddp_model(images)
-            embeddings = gather_replicated(local.float())
-            all_labels = gather_replicated(labels)
+            # The loss runs outside autocast in float32 (its GEMMs too): the margins and
+            # alpha = 32 need it. The gather's backward sums every rank's partial gradient.
+            embeddings = shard.gather_embeddings(local.float())
+            all_labels = shard.all_gather(labels)
             loss = loss_fn(embeddings, all_labels)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1} step {step}")
@@ -243,14 +306,15 @@ def run(
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError("training loss is not finite")
         with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
-            ckpt_dir = None
-            if rank == 0:
-                ckpt_dir = Path(tmp)
-                state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world,
-                         "resumes": resumes, "history": history, **(extra_state or {})}
-                save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
+            # Every rank writes its proxy shard (distinct file names); rank 0 the rest.
+            ckpt_dir = Path(tmp)
+            state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world,
+                     "resumes": resumes, "history": history, **(extra_state or {})}
+            save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
             reporter.report(metrics, ckpt_dir)
     if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
+        # The proxy-similarity heatmap and the ISA state show rank 0's shard of the classes
+        # (its ``proxies`` and per-class buffers): all classes with one worker.
         write_dashboard(tracker, history, model, split.test, loss_fn, isa_states, dev, cfg.data.eval_batch_size)
     return metrics if rank == 0 else {}
 

@@ -1,7 +1,9 @@
 """Proxy-based deep metric learning losses (torch only).
 
 Every loss is an ``nn.Module`` called as ``loss(embeddings (B, d), labels (B,) long) -> scalar``
-and owns its proxies as ``loss.proxies`` (C, d). The math is in :mod:`proxies.functional`.
+and owns its proxies as ``loss.proxies`` (C, d), or with a ``shard``
+(:class:`~proxies.sharding.ShardContext`) this rank's contiguous class range of them.
+The math is in :mod:`proxies.functional`, the class sharding in :mod:`proxies.sharding`.
 """
 
 from .base import ProxyLoss
@@ -27,6 +29,7 @@ from .proxy_anchor import ProxyAnchorLoss
 from .proxy_isa import ProxyISALoss, effective_number
 from .proxy_nca import ClassicProxyNCALoss, ProxyNCALoss, ProxyNCAPlusPlusLoss
 from .registry import LOSSES, build_loss, loss_parameters
+from .sharding import ShardContext, load_shard_states, shard_state_dict, split_range
 from .synthesis import ProxySynthesis, adjacent_distinct_order, sample_beta
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "ProxyNCALoss",
     "ProxyNCAPlusPlusLoss",
     "ProxySynthesis",
+    "ShardContext",
     "SoftmaxTerms",
     "SyntheticProxies",
     "adjacent_distinct_order",
@@ -51,12 +55,15 @@ __all__ = [
     "cosine_similarity",
     "effective_number",
     "isa_class_params",
+    "load_shard_states",
     "loss_parameters",
     "norm_softmax_loss",
     "proxy_anchor_loss",
     "proxy_isa_loss",
     "proxy_nca_loss",
     "sample_beta",
+    "shard_state_dict",
     "softmax_loss_from_terms",
     "softmax_terms",
+    "split_range",
 ]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from .functional import SyntheticProxies
+from .functional import SyntheticProxies, normalize_rows
+from .sharding import ShardContext
 
-__all__ = ["DEFAULT_INIT_SEED", "ProxyLoss", "check_positive", "default_generator"]
+__all__ = ["DEFAULT_INIT_SEED", "ProxyLoss", "check_positive", "default_generator", "fill_rows_"]
 
 # Without a generator the proxies are initialised from a private generator with this seed:
 # the package never touches the global torch RNG (reproducibility of distributed runs).
@@ -21,6 +23,48 @@ def default_generator(generator: torch.Generator | None, seed: int = DEFAULT_INI
     if generator is not None:
         return generator
     return torch.Generator().manual_seed(seed)
+
+
+# Rows of the proxy matrix drawn per block by fill_rows_ (about 16 MiB of float32).
+_INIT_BLOCK_ELEMS = 1 << 22
+
+
+def fill_rows_(
+    out: Tensor,
+    row_start: int,
+    total_rows: int,
+    fill: Callable[[Tensor, torch.Generator], object],
+    generator: torch.Generator,
+) -> Tensor:
+    """Fill ``out`` (n, d) with rows ``[row_start, row_start + n)`` of a (total_rows, d) matrix
+    that ``fill(matrix, generator)`` would have filled in one call. Returns ``out``.
+
+    Why: a proxy shard must start with the same values as the same rows of the unsharded
+    proxies (a run gives the same numbers on any number of ranks), without ever holding the
+    (C, d) matrix. The whole matrix is drawn block by block (every rank consumes the
+    generator exactly as one process would) and only this shard's rows are kept. Blocks hold
+    a multiple of 16 elements and the last one at least 16: torch's CPU normal_ draws in
+    16-element groups (and recomputes a ragged tail), uniform_ element by element, so the
+    block-wise stream equals the one-call stream (tests/distributed checks it).
+    """
+    n, d = out.shape
+    if row_start == 0 and n == total_rows:
+        fill(out, generator)
+        return out
+    rows_per_block = max(16, (_INIT_BLOCK_ELEMS // max(d, 1)) // 16 * 16)
+    buf = torch.empty(rows_per_block, d, dtype=out.dtype, device=generator.device)
+    r = 0
+    while r < total_rows:
+        rows = min(rows_per_block, total_rows - r)
+        if 0 < (total_rows - r - rows) * d < 16:
+            rows = total_rows - r  # no ragged block of fewer than 16 elements at the end
+        block = buf[:rows] if rows <= rows_per_block else torch.empty(rows, d, dtype=out.dtype, device=buf.device)
+        fill(block, generator)
+        lo, hi = max(r, row_start), min(r + rows, row_start + n)
+        if lo < hi:
+            out[lo - row_start : hi - row_start] = block[lo - r : hi - r]
+        r += rows
+    return out
 
 
 def check_positive(name: str, value: float, *, strict: bool = True) -> float:
@@ -37,30 +81,60 @@ def check_positive(name: str, value: float, *, strict: bool = True) -> float:
 class ProxyLoss(nn.Module):
     """A proxy loss: ``loss(embeddings (B, d), labels (B,) long) -> scalar``.
 
-    Owns ``proxies``, an ``nn.Parameter`` of shape (num_classes, embedding_dim). Subclasses
-    implement :meth:`compute` (a pure function of tensors); the fast built-in losses override
-    :meth:`loss_from` to handle Proxy Synthesis' extra proxies without materialising them.
-    Stateful losses (Proxy-ISA) override :meth:`update_state`, which :meth:`forward` calls
-    in training mode after the loss has been computed from the state before the update.
+    Owns ``proxies``, an ``nn.Parameter`` of shape (num_local, embedding_dim): all
+    ``num_classes`` proxies, or with a ``shard`` (:class:`~proxies.sharding.ShardContext`
+    over W ranks) the contiguous class range ``[shard.class_start, shard.class_end)``.
+    Sharded, every rank is called with the same (all-gathered) global batch and returns the
+    loss of the global batch (see ``proxies/sharding.py``). Subclasses implement
+    :meth:`compute` (a pure function of tensors); the fast built-in losses override
+    :meth:`loss_from` to handle Proxy Synthesis' extra proxies without materialising them
+    and to combine shards. Stateful losses (Proxy-ISA) override :meth:`update_state`, which
+    :meth:`forward` calls in training mode after the loss has been computed from the state
+    before the update.
     """
 
     proxies: nn.Parameter
+    # State entries whose first dimension is the class (resharded by load_shard_states).
+    per_class_state: tuple[str, ...] = ("proxies",)
 
-    def __init__(self, num_classes: int, embedding_dim: int, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if shard is None:
+            shard = ShardContext(num_classes)
+        elif not isinstance(shard, ShardContext) or shard.num_classes != num_classes:
+            raise ValueError(f"shard must be a ShardContext over {num_classes} classes, got {shard!r}")
         self.num_classes = num_classes
         self.embedding_dim = embedding_dim
-        self.proxies = nn.Parameter(torch.empty(num_classes, embedding_dim))
+        self.shard = shard
+        self.proxies = nn.Parameter(torch.empty(shard.num_local, embedding_dim))
         self.reset_parameters(generator)
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Proxy-Anchor's init: Kaiming normal, fan-out (std sqrt(2 / C))."""
+    @property
+    def num_local(self) -> int:
+        """Number of classes (proxy rows) held here: C, or this rank's share when sharded."""
+        return self.shard.num_local
+
+    def init_proxies_(self, fill: Callable[[Tensor, torch.Generator], object], generator: torch.Generator | None) -> None:
+        """Fill the proxies with this shard's rows of what ``fill`` draws for all C proxies."""
         with torch.no_grad():
-            nn.init.kaiming_normal_(self.proxies, mode="fan_out", generator=default_generator(generator))
+            fill_rows_(self.proxies, self.shard.class_start, self.num_classes, fill, default_generator(generator))
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Proxy-Anchor's init: Kaiming normal, fan-out (std sqrt(2 / C), C = all classes)."""
+        # nn.init.kaiming_normal_(mode="fan_out") on the (C, d) matrix, written out because
+        # a shard's own shape would give the wrong fan.
+        std = math.sqrt(2.0) / math.sqrt(self.num_classes)
+        self.init_proxies_(lambda t, g: t.normal_(0.0, std, generator=g), generator)
 
     # ----------------------------------------------------------------------------------
     def check_inputs(self, embeddings: Tensor, labels: Tensor) -> None:
@@ -78,19 +152,38 @@ class ProxyLoss(nn.Module):
             raise ValueError(f"labels must lie in [0, {self.num_classes}), got min {int(lo)} max {int(hi)}")
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        """embeddings (B, d), labels (B,) long -> scalar loss."""
+        """embeddings (B, d), labels (B,) long in [0, C) -> scalar loss.
+
+        Sharded: the global batch (identical on every rank), global labels; the result is
+        the loss of the global batch on every rank.
+        """
         self.check_inputs(embeddings, labels)
-        loss = self.loss_from(embeddings, self.proxies, labels)
+        loss = self.loss_from(embeddings, self.proxies, self.shard.localize(labels))
         if self.training:
             self.update_state(embeddings, labels)
         return loss
 
     def loss_from(
-        self, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None = None
+        self,
+        embeddings: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        synthetic: SyntheticProxies | Tensor | None = None,
     ) -> Tensor:
-        """The loss for given proxies (C, d) and optional synthetic proxies (labels C + j)."""
-        if synthetic is not None:
+        """The loss for given proxies (C_local, d) and optional synthetic proxies.
+
+        ``labels`` (B,) are shard-local: in ``[0, C_local + n)`` (synthetic j is
+        ``C_local + j``), or -1 where another shard owns the positive; with W = 1 they are
+        the global labels. ``synthetic``: index-described (:class:`SyntheticProxies`) or
+        explicit raw rows (n, d). This default (for losses without a fused path) only
+        supports W = 1.
+        """
+        if self.shard.sharded:
+            raise NotImplementedError(f"{type(self).__name__} has no class-sharded implementation")
+        if isinstance(synthetic, SyntheticProxies):
             proxies = synthetic.materialise(proxies)
+        elif synthetic is not None:
+            proxies = torch.cat([normalize_rows(proxies), normalize_rows(synthetic)])
         return self.compute(embeddings, proxies, labels)
 
     def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
@@ -101,4 +194,7 @@ class ProxyLoss(nn.Module):
         """Per-step state update from the real samples (no-op for stateless losses)."""
 
     def extra_repr(self) -> str:
-        return f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}"
+        text = f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}"
+        if self.shard.sharded:
+            text += f", shard=[{self.shard.class_start}, {self.shard.class_end}) of rank {self.shard.rank}/{self.shard.world_size}"
+        return text

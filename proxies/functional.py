@@ -176,10 +176,11 @@ class _Blocks:
     """The proxy columns of S: the real proxies and optionally the synthetic ones.
 
     ``mats[k]`` is a raw (unnormalised) (C_k, d) matrix; column ``c`` of S belongs to
-    block 0 if ``c < C`` else to block 1 (the synthetic proxies ``q``).
+    block 0 if ``c < C`` else to block 1 (the synthetic proxies ``q``, described by indices
+    or given explicitly as ``extra`` (n, d)).
     """
 
-    def __init__(self, proxies: Tensor, synthetic: SyntheticProxies | None) -> None:
+    def __init__(self, proxies: Tensor, synthetic: SyntheticProxies | None, extra: Tensor | None = None) -> None:
         self.proxies = proxies
         self.synthetic = synthetic
         self.mats = [proxies]
@@ -188,6 +189,10 @@ class _Blocks:
             inv_rows = torch.zeros(proxies.shape[0], dtype=proxies.dtype, device=proxies.device)
             inv_rows[idx] = _inv_norm(proxies[idx])
             self.mats.append(synthetic.raw(proxies, inv_rows))
+        elif extra is not None and extra.shape[0] > 0:
+            # Explicit extra columns (class-sharded Proxy Synthesis: the synthetic proxies
+            # are mixed from rows fetched from other ranks, not from rows of ``proxies``).
+            self.mats.append(extra)
         self.sizes = [m.shape[0] for m in self.mats]
         self.num_cols = sum(self.sizes)
 
@@ -216,7 +221,11 @@ def _positives_by_chunk(
     y: Tensor, chunks: list[tuple[int, slice, slice]]
 ) -> list[tuple[Tensor, Tensor] | None]:
     """For each chunk, the positives (i, y_i) that fall in it as (rows i, chunk-local
-    columns), or None when it has none (most chunks: a batch holds few classes)."""
+    columns), or None when it has none (most chunks: a batch holds few classes).
+
+    Rows with ``y_i < 0`` (positive owned by another shard) sort before column 0 and fall
+    in no chunk.
+    """
     order = torch.argsort(y, stable=True)
     ys = y[order]
     starts = torch.tensor([g.start for _, _, g in chunks] + [chunks[-1][2].stop], device=y.device)
@@ -382,7 +391,8 @@ class _SoftmaxKernel:
         self.need_grad = need_grad
         self.work_z = _workspace(s_raw, b, width)
         self.work_e = _workspace(s_raw, b, width) if need_grad else None
-        self.pos = s_raw.new_empty(b)
+        # Zero, not empty: a row whose positive lives on another shard (label -1) keeps 0.
+        self.pos = s_raw.new_zeros(b)
         self.s = s_raw.new_zeros(b)
         # |z| <= bound: if exp(bound) and the sum of C of them cannot overflow, shift 0
         # and the GEMM and this kernel run fused chunk by chunk.
@@ -402,7 +412,9 @@ class _SoftmaxKernel:
         shift = s_raw.new_full((s_raw.shape[0],), -math.inf)
         for (_, _, gs), pk in zip(chunks, positives):
             torch.maximum(shift, self._logits(s_raw[:, gs], inv[gs], pk).amax(dim=1), out=shift)
-        self.shift = shift.unsqueeze(1)
+        # A row can have no column at all in a shard (classic ProxyNCA: the shard's only
+        # class is its positive): shift 0 there instead of -inf - -inf = nan.
+        self.shift = torch.nan_to_num_(shift, neginf=0.0).unsqueeze(1)
 
     def chunk(self, blk: Tensor, inv: Tensor, pk: tuple[Tensor, Tensor] | None, gs: slice) -> None:
         z = self._logits(blk, inv, pk)
@@ -419,9 +431,10 @@ class _SoftmaxKernel:
         if not self.need_grad:
             return (lse, self.pos), None
         b = s_raw.shape[0]
-        raw_pos = s_raw[torch.arange(b, device=y.device), y]
+        raw_pos = s_raw[torch.arange(b, device=y.device), y.clamp(min=0)]
         u = s_raw.new_empty(s_raw.shape[1])
-        inv_s = 1.0 / self.s
+        # s = 0 only for a row with no column in this shard (see prepare): its terms are 0.
+        inv_s = torch.where(self.s > 0, self.s.reciprocal(), 0.0)
         for (_, _, gs), pk in zip(chunks, positives):
             blk = s_raw[:, gs]
             z = self._logits(blk, inv[gs], pk)
@@ -439,8 +452,9 @@ class _SoftmaxKernel:
     def backward(self, state, grads: Sequence[Tensor], inv: Tensor) -> _Grad:
         m, s, y, u, raw_pos = state
         g_lse, g_pos = grads
-        rho = g_lse * self.scale / s
-        vals = g_pos * self.scale * inv[y]
+        rho = torch.where(s > 0, g_lse * self.scale / s, 0.0)
+        # Rows whose positive is on another shard (label -1) have no positive entry here.
+        vals = torch.where(y >= 0, g_pos * self.scale * inv[y.clamp(min=0)], 0.0)
         common = _uniform_value(g_lse)
         # sum_i rho_i M_ic S_raw_ic = sum_i g_i e_ic z_ic / s_i = g u_c for a uniform g.
         t = None if common is None else u * common
@@ -470,8 +484,9 @@ class _AnchorKernel:
         if self.isa is not None:
             self.work_f = _workspace(s_raw, b, width)
             self.work_mask = _workspace(s_raw, b, width, torch.bool)
-        self.s_pos = s_raw.new_empty(b)
-        self.raw_pos = s_raw.new_empty(b)
+        # Zero, not empty: rows whose positive is on another shard (label -1) keep 0.
+        self.s_pos = s_raw.new_zeros(b)
+        self.raw_pos = s_raw.new_zeros(b)
         self.q_neg = s_raw.new_empty(c)
         self.u = s_raw.new_empty(c) if need_grad else None
         self.w_neg_sum = s_raw.new_empty(c) if self.isa is not None else None
@@ -527,22 +542,28 @@ class _AnchorKernel:
     def finish(self, s_raw: Tensor, y: Tensor, inv: Tensor, chunks, positives):
         b, c = s_raw.shape
         alpha, delta, isa = self.alpha, self.delta, self.isa
-        n_pos = torch.bincount(y, minlength=c).to(s_raw.dtype)
+        # Rows whose positive is on another shard (label -1) go to a dummy segment c, dropped.
+        own = y >= 0
+        seg = torch.where(own, y, c)
+        yc = y.clamp(min=0)
+        n_pos = torch.bincount(seg, minlength=c + 1)[:c].to(s_raw.dtype)
         n_neg = b - n_pos
         s_pos = self.s_pos
         if isa is not None and isa.filter_on:
-            inside = (s_pos >= isa.s_out[y]) & (s_pos <= isa.s_learned[y])
-            w_p = isa.sigma[y] + inside.to(s_pos.dtype)
+            inside = (s_pos >= isa.s_out[yc]) & (s_pos <= isa.s_learned[yc])
+            w_p = isa.sigma[yc] + inside.to(s_pos.dtype)
         else:
             w_p = torch.ones_like(s_pos)
-        q_pos, pi = _segment_log1p_sum_exp(alpha * w_p * (delta - s_pos), y, c)
-        w_pos_sum = torch.zeros_like(n_pos).index_add_(0, y, w_p)
+        q_pos, pi = _segment_log1p_sum_exp(alpha * w_p * (delta - s_pos), seg, c + 1)
+        q_pos = q_pos[:c]
+        w_pos_sum = s_pos.new_zeros(c + 1).index_add_(0, seg, w_p)[:c]
         w_pos = torch.where(n_pos > 0, w_pos_sum / n_pos.clamp_min(1.0), torch.zeros_like(n_pos))
         if isa is not None:
             w_neg = torch.where(n_neg > 0, self.w_neg_sum / n_neg.clamp_min(1.0), torch.zeros_like(n_neg))
         else:
             w_neg = (n_neg > 0).to(s_raw.dtype)
-        state = (s_raw, y, pi * (-alpha) * w_p * inv[y], self.u, self.raw_pos) if self.need_grad else None
+        pos_scale = torch.where(own, pi * (-alpha) * w_p * inv[yc], 0.0)
+        state = (s_raw, yc, pos_scale, self.u, self.raw_pos) if self.need_grad else None
         return (q_pos, self.q_neg, w_pos, w_neg, n_pos, n_neg), state
 
     def backward(self, state, grads: Sequence[Tensor], inv: Tensor) -> _Grad:
@@ -571,8 +592,8 @@ class _ProxyLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_hat, proxies, labels, kernel, synthetic, mm_dtype):  # type: ignore[override]
-        blocks = _Blocks(proxies, synthetic)
+    def forward(ctx, x_hat, proxies, labels, kernel, synthetic, mm_dtype, extra):  # type: ignore[override]
+        blocks = _Blocks(proxies, synthetic, extra)
         b, d = x_hat.shape
         dtype = x_hat.dtype
         chunks = blocks.chunks(d)
@@ -603,6 +624,7 @@ class _ProxyLossFunction(torch.autograd.Function):
         outputs, state = kernel.finish(s_raw, labels, inv, chunks, positives)
         ctx.kernel, ctx.state, ctx.blocks, ctx.mm_dtype = kernel, state, blocks, mm_dtype
         ctx.chunks, ctx.positives, ctx.inv = chunks, positives, inv
+        ctx.extra_shape = None if extra is None else extra.shape
         ctx.save_for_backward(x_hat, proxies, labels)
         for out, diff in zip(outputs, kernel.differentiable):
             if not diff:
@@ -626,6 +648,8 @@ class _ProxyLossFunction(torch.autograd.Function):
         sparse_g = gr.vals.unsqueeze(1) * x_hat
         inv2 = inv * inv
         coef = None
+        # Labels -1 (positive on another shard) have vals 0: any valid row will do for them.
+        labels = labels.clamp(min=0)
         if gr.t is not None:
             # t_c = sum_i (dL/dS_ic / |p_c|) S_raw_ic; the positives add vals_i S_raw_{i,y_i}.
             coef = gr.t.index_add(0, labels, gr.vals * gr.raw_pos).mul_(inv2)
@@ -656,9 +680,14 @@ class _ProxyLossFunction(torch.autograd.Function):
         # positives: dx_i += vals_i p_{y_i}
         dx.addcmul_(gr.vals.unsqueeze(1), blocks.rows(labels).to(dtype))
         g_p = grads_p[0]
-        if len(grads_p) > 1:
+        g_extra = None
+        if ctx.extra_shape is not None:
+            # Explicit extra columns: their gradient goes back through autograd (always a
+            # tensor, also when empty, so that a collective upstream runs on every rank).
+            g_extra = grads_p[1] if len(grads_p) > 1 else x_hat.new_zeros(ctx.extra_shape)
+        elif len(grads_p) > 1:
             _synthetic_backward(blocks, grads_p[1], g_p, inv[: blocks.sizes[0]])
-        return dx, g_p.to(proxies.dtype), None, None, None, None
+        return dx, g_p.to(proxies.dtype), None, None, None, None, g_extra
 
 
 def _synthetic_backward(blocks: _Blocks, g_q: Tensor, g_p: Tensor, inv_p: Tensor) -> None:
@@ -675,17 +704,23 @@ def _synthetic_backward(blocks: _Blocks, g_q: Tensor, g_p: Tensor, inv_p: Tensor
 
 
 def _fused(
-    kernel, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None
+    kernel, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | Tensor | None
 ) -> tuple[Tensor, ...]:
     """Normalise the embeddings (autograd), run the fused function, return kernel outputs."""
     compute = loss_dtype(embeddings, proxies)
     mm_dtype = gemm_dtype(embeddings.device.type, compute)
     x_hat = normalize_rows(embeddings)
+    extra = synthetic.to(compute) if isinstance(synthetic, Tensor) else None
+    described = None if isinstance(synthetic, Tensor) else synthetic
     with torch.autocast(embeddings.device.type, enabled=False):
-        return _ProxyLossFunction.apply(x_hat, proxies.to(compute), labels, kernel, synthetic, mm_dtype)
+        return _ProxyLossFunction.apply(
+            x_hat, proxies.to(compute), labels, kernel, described, mm_dtype, extra
+        )
 
 
-def _check(embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None) -> int:
+def _check(
+    embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | Tensor | None
+) -> int:
     """Validate shapes; returns the number of columns C' = C + n_synthetic."""
     if embeddings.dim() != 2 or proxies.dim() != 2 or embeddings.shape[1] != proxies.shape[1]:
         raise ValueError(
@@ -698,6 +733,8 @@ def _check(embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: Synth
         raise ValueError(f"labels must be torch.long, got {labels.dtype}")
     if embeddings.shape[0] == 0:
         raise ValueError("empty batch")
+    if isinstance(synthetic, Tensor) and (synthetic.dim() != 2 or synthetic.shape[1] != proxies.shape[1]):
+        raise ValueError(f"extra proxies must be (n, {proxies.shape[1]}), got {tuple(synthetic.shape)}")
     return proxies.shape[0] + (len(synthetic) if synthetic is not None else 0)
 
 
@@ -741,12 +778,17 @@ def softmax_terms(
     labels: Tensor,
     scale: float,
     exclude_positive: bool = False,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> SoftmaxTerms:
     """Per-sample log-sum-exp of ``scale * S`` and the positive logit.
 
-    embeddings (B, d), proxies (C, d), labels (B,) in [0, C + n_synthetic). With
+    embeddings (B, d), proxies (C, d), labels (B,) in [0, C + n_synthetic) or -1. With
     ``exclude_positive`` the positive column is left out of the log-sum-exp.
+
+    ``synthetic``: extra columns after the C proxies, either described by indices
+    (:class:`SyntheticProxies`) or given as a raw (n, d) tensor (differentiable).
+    Label -1 means "the positive is not among these columns" (a class-sharded shard that
+    does not own the label): the row contributes to ``lse`` only and its ``pos`` is 0.
     """
     _check(embeddings, proxies, labels, synthetic)
     lse, pos = _fused(_SoftmaxKernel(scale, exclude_positive), embeddings, proxies, labels, synthetic)
@@ -760,11 +802,13 @@ def anchor_terms(
     alpha: float,
     delta: float,
     isa: ISAClassParams | None = None,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> AnchorTerms:
     """Per-class Proxy-Anchor terms, or Proxy-ISA terms when ``isa`` (C',) is given.
 
-    embeddings (B, d), proxies (C, d), labels (B,) in [0, C'), C' = C + n_synthetic.
+    embeddings (B, d), proxies (C, d), labels (B,) in [0, C'), C' = C + n_synthetic, or -1
+    (positive on another shard: the row is a negative of every column here). ``synthetic``
+    as in :func:`softmax_terms`.
     """
     c = _check(embeddings, proxies, labels, synthetic)
     if isa is not None:
@@ -801,7 +845,7 @@ def norm_softmax_loss(
     proxies: Tensor,
     labels: Tensor,
     temperature: float,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> Tensor:
     """Norm-Softmax: ``CE(S / T, y)`` averaged over the batch -> scalar.
 
@@ -818,7 +862,7 @@ def proxy_nca_loss(
     labels: Tensor,
     temperature: float,
     assignment_probability: bool = True,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> Tensor:
     """ProxyNCA++ (``assignment_probability``) or classic ProxyNCA -> scalar.
 
@@ -837,7 +881,7 @@ def proxy_anchor_loss(
     labels: Tensor,
     alpha: float,
     delta: float,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> Tensor:
     """Proxy-Anchor loss -> scalar. embeddings (B, d), proxies (C, d), labels (B,)."""
     return combine_anchor_terms(anchor_terms(embeddings, proxies, labels, alpha, delta, None, synthetic), False)
@@ -850,7 +894,7 @@ def proxy_isa_loss(
     alpha: float,
     delta: float,
     isa: ISAClassParams,
-    synthetic: SyntheticProxies | None = None,
+    synthetic: SyntheticProxies | Tensor | None = None,
 ) -> Tensor:
     """Proxy-ISA loss -> scalar, given the per-class constants ``isa`` (C + n_synthetic,).
 

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from .base import ProxyLoss, check_positive
-from .functional import SyntheticProxies, proxy_anchor_loss
+from .functional import SyntheticProxies, anchor_terms, proxy_anchor_loss
+from .sharding import ShardContext
 
 __all__ = ["ProxyAnchorLoss"]
 
@@ -38,15 +39,21 @@ class ProxyAnchorLoss(ProxyLoss):
         alpha: float = 32.0,
         delta: float = 0.1,
         generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
     ) -> None:
         self.alpha = check_positive("alpha", alpha)
         self.delta = check_delta(delta)
-        super().__init__(num_classes, embedding_dim, generator)
+        super().__init__(num_classes, embedding_dim, generator, shard)
 
     def loss_from(
-        self, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None = None
+        self,
+        embeddings: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        synthetic: SyntheticProxies | Tensor | None = None,
     ) -> Tensor:
-        return proxy_anchor_loss(embeddings, proxies, labels, self.alpha, self.delta, synthetic)
+        terms = anchor_terms(embeddings, proxies, labels, self.alpha, self.delta, None, synthetic)
+        return self.shard.anchor_loss(terms, isa=False)
 
     def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         return proxy_anchor_loss(embeddings, proxies, labels, self.alpha, self.delta)

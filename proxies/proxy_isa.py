@@ -4,6 +4,15 @@ Per-class state (buffers, in ``state_dict``): ``count`` (clean samples seen), ``
 (E_c = (1 - beta^n_c) / (1 - beta), beta = (V - 1) / V), ``learned_sim`` (S_learned(c)), and the
 memory queue of clean, detached, L2-normalised embeddings. Phases: ``memory_on`` and
 ``filter_on`` (switched by :meth:`ProxyISALoss.set_epoch`, 0-based epochs).
+
+Class-sharded (a :class:`~proxies.sharding.ShardContext` over W ranks), the per-class state
+is *owner-held*: each rank keeps ``count``, ``effective_num`` and ``learned_sim`` of the
+classes it owns (C_local entries, the same numbers as the same entries of one process),
+because only the owner needs them: the loss terms of class c, its outlier boundary and its
+``S_learned`` update all happen on the rank that owns proxy c. What every rank needs is
+shared explicitly: the outlier decision of each sample (made by the owner of its label, one
+sum all-reduce of B flags), after which every rank enqueues the same clean rows of the
+all-gathered batch in rank order, so the memory queue is identical on every rank.
 """
 
 from __future__ import annotations
@@ -15,9 +24,10 @@ import torch
 from torch import Tensor
 
 from .base import ProxyLoss, check_positive
-from .functional import ISAClassParams, SyntheticProxies, isa_class_params, normalize_rows, proxy_isa_loss
+from .functional import ISAClassParams, SyntheticProxies, anchor_terms, isa_class_params, normalize_rows
 from .memory import MemoryQueue
 from .proxy_anchor import check_delta
+from .sharding import ShardContext
 
 __all__ = ["ProxyISALoss", "effective_number"]
 
@@ -47,6 +57,7 @@ class ProxyISALoss(ProxyLoss):
     count: Tensor
     effective_num: Tensor
     learned_sim: Tensor
+    per_class_state = ("proxies", "count", "effective_num", "learned_sim")
 
     def __init__(
         self,
@@ -61,6 +72,7 @@ class ProxyISALoss(ProxyLoss):
         tau: float = 1.5,
         memory_size: int = 55000,
         generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
     ) -> None:
         self.alpha = check_positive("alpha", alpha)
         self.delta = check_delta(delta)
@@ -73,11 +85,12 @@ class ProxyISALoss(ProxyLoss):
         self.tau = check_positive("tau", tau, strict=False)
         if not isinstance(memory_size, int) or isinstance(memory_size, bool) or memory_size < 1:
             raise ValueError(f"memory_size must be an int >= 1, got {memory_size!r}")
-        super().__init__(num_classes, embedding_dim, generator)
+        super().__init__(num_classes, embedding_dim, generator, shard)
         self.memory_size = memory_size
-        self.register_buffer("count", torch.zeros(num_classes, dtype=torch.long))
-        self.register_buffer("effective_num", torch.zeros(num_classes))
-        self.register_buffer("learned_sim", torch.ones(num_classes))
+        # Owner-held: this shard's classes only (all C with W = 1).
+        self.register_buffer("count", torch.zeros(self.num_local, dtype=torch.long))
+        self.register_buffer("effective_num", torch.zeros(self.num_local))
+        self.register_buffer("learned_sim", torch.ones(self.num_local))
         self.memory = MemoryQueue(memory_size, embedding_dim)
         self.memory_on = False
         self.filter_on = False
@@ -100,7 +113,7 @@ class ProxyISALoss(ProxyLoss):
         self.filter_on = bool(state["filter_on"])
 
     def class_params(self, extra: int = 0) -> ISAClassParams:
-        """Per-class constants from the current state (C + extra,); extras are neutral."""
+        """Per-class constants from the current state (C_local + extra,); extras are neutral."""
         params = isa_class_params(
             self.effective_num, self.learned_sim, self.V, self.k, self.lam, self.tau, self.filter_on
         )
@@ -108,33 +121,49 @@ class ProxyISALoss(ProxyLoss):
 
     # ----------------------------------------------------------------------------------
     def loss_from(
-        self, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None = None
+        self,
+        embeddings: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        synthetic: SyntheticProxies | Tensor | None = None,
     ) -> Tensor:
         extra = len(synthetic) if synthetic is not None else 0
-        return proxy_isa_loss(
-            embeddings, proxies, labels, self.alpha, self.delta, self.class_params(extra), synthetic
-        )
+        terms = anchor_terms(embeddings, proxies, labels, self.alpha, self.delta, self.class_params(extra), synthetic)
+        return self.shard.anchor_loss(terms, isa=True)
 
     def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         return self.loss_from(embeddings, proxies, labels)
 
     @torch.no_grad()
     def update_state(self, embeddings: Tensor, labels: Tensor) -> None:
-        """The post-loss state update from the real batch: embeddings (B, d), labels (B,)."""
+        """The post-loss state update from the real batch: embeddings (B, d), labels (B,)
+        global (sharded: the all-gathered batch, the same on every rank)."""
+        shard = self.shard
         with torch.autocast(embeddings.device.type, enabled=False):
             x_hat = normalize_rows(embeddings.detach())
             proxies = self.proxies.detach()
+            local = shard.localize(labels)
             if self.filter_on:
-                # Outlier boundary from the state before this update. Only the B proxies of
-                # the batch are normalised (not the C x d matrix).
-                p_hat = normalize_rows(proxies[labels]).to(x_hat.dtype)
-                s_pos = (x_hat * p_hat).sum(dim=1)
+                # Outlier boundary from the state before this update, decided by the owner of
+                # each label. Only the proxies of the batch are normalised (not C x d).
+                rows = (local >= 0).nonzero().squeeze(1) if shard.sharded else None
+                y_own = local if rows is None else local[rows]
+                x_own = x_hat if rows is None else x_hat[rows]
+                p_hat = normalize_rows(proxies[y_own]).to(x_hat.dtype)
+                s_pos = (x_own * p_hat).sum(dim=1)
                 s_out = self.class_params().s_out.to(s_pos.dtype)
-                clean = s_pos >= s_out[labels]
-                x_clean, y_clean = x_hat[clean], labels[clean]
+                outlier = s_pos < s_out[y_own]
+                if rows is not None:
+                    # Every sample is decided by exactly one rank: a sum shares the decisions.
+                    flags = torch.zeros(labels.shape[0], dtype=torch.long, device=labels.device)
+                    flags[rows] = outlier.long()
+                    outlier = shard.all_reduce_sum(flags) > 0
+                clean = ~outlier
+                x_clean, y_clean, local_clean = x_hat[clean], labels[clean], local[clean]
             else:
-                x_clean, y_clean = x_hat, labels
-            added = torch.bincount(y_clean, minlength=self.num_classes)
+                x_clean, y_clean, local_clean = x_hat, labels, local
+            mine = local_clean[local_clean >= 0] if shard.sharded else local_clean
+            added = torch.bincount(mine, minlength=self.num_local)
             touched = added > 0
             self.count.add_(added)
             e_new = effective_number(self.count, self.V).to(self.effective_num.dtype)
@@ -150,10 +179,11 @@ class ProxyISALoss(ProxyLoss):
         memory rows of the touched classes and a sum per class, no per-row proxy gather.
         """
         feats, labs = self.memory.get()
-        classes = touched.nonzero().squeeze(1)  # (k,), at most B classes
-        slot = torch.full((self.num_classes,), -1, dtype=torch.long, device=labs.device)
+        classes = touched.nonzero().squeeze(1)  # (k,) local ids, at most B classes
+        # One slot per local class plus a last one (-1) for the rows of other shards' classes.
+        slot = torch.full((self.num_local + 1,), -1, dtype=torch.long, device=labs.device)
         slot[classes] = torch.arange(classes.numel(), device=labs.device)
-        row_slot = slot[labs]
+        row_slot = slot[self.shard.localize(labs)]
         sel = (row_slot >= 0).nonzero().squeeze(1)
         sums = torch.zeros(classes.numel(), feats.shape[1], dtype=feats.dtype, device=feats.device)
         sums.index_add_(0, row_slot[sel], feats[sel])

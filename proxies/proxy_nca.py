@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .base import ProxyLoss, check_positive, default_generator
-from .functional import SyntheticProxies, proxy_nca_loss
+from .base import ProxyLoss, check_positive
+from .functional import SyntheticProxies, proxy_nca_loss, softmax_terms
+from .norm_softmax import kaiming_uniform_linear_
+from .sharding import ShardContext
 
 __all__ = ["ClassicProxyNCALoss", "ProxyNCALoss", "ProxyNCAPlusPlusLoss"]
 
@@ -28,6 +28,7 @@ class ProxyNCALoss(ProxyLoss):
         temperature: float = 1.0 / 9.0,
         assignment_probability: bool = True,
         generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
     ) -> None:
         self.temperature = check_positive("temperature", temperature)
         if not isinstance(assignment_probability, bool):
@@ -36,19 +37,23 @@ class ProxyNCALoss(ProxyLoss):
             # The denominator would be an empty sum.
             raise ValueError("classic ProxyNCA (assignment_probability=False) needs num_classes >= 2")
         self.assignment_probability = assignment_probability
-        super().__init__(num_classes, embedding_dim, generator)
+        super().__init__(num_classes, embedding_dim, generator, shard)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """The Proxy Synthesis authors' init (nn.Linear's): Kaiming uniform, a = sqrt(5)."""
-        with torch.no_grad():
-            nn.init.kaiming_uniform_(self.proxies, a=math.sqrt(5), generator=default_generator(generator))
+        self.init_proxies_(kaiming_uniform_linear_, generator)
 
     def loss_from(
-        self, embeddings: Tensor, proxies: Tensor, labels: Tensor, synthetic: SyntheticProxies | None = None
+        self,
+        embeddings: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        synthetic: SyntheticProxies | Tensor | None = None,
     ) -> Tensor:
-        return proxy_nca_loss(
-            embeddings, proxies, labels, self.temperature, self.assignment_probability, synthetic
-        )
+        # D = (2 - 2 S) / T: the constant cancels, a softmax over 2 S / T (see proxy_nca_loss).
+        scale = 2.0 / self.temperature
+        terms = softmax_terms(embeddings, proxies, labels, scale, not self.assignment_probability, synthetic)
+        return self.shard.softmax_loss(terms, labels >= 0)
 
     def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         return proxy_nca_loss(embeddings, proxies, labels, self.temperature, self.assignment_probability)
@@ -69,8 +74,9 @@ class ProxyNCAPlusPlusLoss(ProxyNCALoss):
         embedding_dim: int,
         temperature: float = 1.0 / 9.0,
         generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
     ) -> None:
-        super().__init__(num_classes, embedding_dim, temperature, True, generator)
+        super().__init__(num_classes, embedding_dim, temperature, True, generator, shard)
 
 
 class ClassicProxyNCALoss(ProxyNCALoss):
@@ -82,5 +88,6 @@ class ClassicProxyNCALoss(ProxyNCALoss):
         embedding_dim: int,
         temperature: float = 1.0 / 9.0,
         generator: torch.Generator | None = None,
+        shard: ShardContext | None = None,
     ) -> None:
-        super().__init__(num_classes, embedding_dim, temperature, False, generator)
+        super().__init__(num_classes, embedding_dim, temperature, False, generator, shard)

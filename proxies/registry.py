@@ -16,6 +16,7 @@ from .norm_softmax import NormSoftmaxLoss
 from .proxy_anchor import ProxyAnchorLoss
 from .proxy_isa import ProxyISALoss
 from .proxy_nca import ClassicProxyNCALoss, ProxyNCAPlusPlusLoss
+from .sharding import ShardContext
 from .synthesis import ProxySynthesis
 
 __all__ = ["LOSSES", "SYNTHESIS_KEYS", "build_loss", "loss_parameters"]
@@ -29,7 +30,7 @@ LOSSES: dict[str, type] = {
 }
 
 # Constructor arguments that are not hyper-parameters.
-_NOT_HYPER = {"self", "num_classes", "embedding_dim", "generator"}
+_NOT_HYPER = {"self", "num_classes", "embedding_dim", "generator", "shard"}
 SYNTHESIS_KEYS = ("enabled", "alpha", "mu")
 
 
@@ -61,13 +62,17 @@ def build_loss(
     num_classes: int,
     embedding_dim: int,
     generator: torch.Generator | None = None,
+    shard: ShardContext | None = None,
 ) -> nn.Module:
     """Build the loss a config describes.
 
     ``config``: ``name`` (a key of LOSSES), that loss' hyper-parameters (None = default),
     optionally ``synthesis``: ``{"enabled": bool, "alpha": float, "mu": float}``. A non-None
     key the loss does not take raises ValueError naming the key and the loss. ``generator``
-    initialises the proxies and seeds Proxy Synthesis' own generator.
+    initialises the proxies and seeds Proxy Synthesis' own generator. ``shard``: build only
+    this rank's shard of the ``num_classes`` proxies (see ``proxies/sharding.py``); every rank
+    must pass a generator in the same state (the proxies of a shard are the same rows of
+    the unsharded init, and Proxy Synthesis draws the same lambdas on every rank).
     """
     if "name" not in config or config["name"] is None:
         raise ValueError("loss config needs a 'name'")
@@ -82,7 +87,7 @@ def build_loss(
                 f"loss {name!r} has no hyper-parameter {key!r}; it takes: {', '.join(allowed) or 'none'}"
             )
         kwargs[key] = value
-    loss = _loss_class(name)(num_classes, embedding_dim, generator=generator, **kwargs)
+    loss = _loss_class(name)(num_classes, embedding_dim, generator=generator, shard=shard, **kwargs)
 
     syn = config.get("synthesis")
     if syn is None:

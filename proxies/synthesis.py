@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .base import ProxyLoss, check_positive, default_generator
 from .functional import SyntheticProxies, normalize_rows
+from .sharding import ShardContext
 
 __all__ = ["ProxySynthesis", "adjacent_distinct_order", "sample_beta"]
 
@@ -102,6 +103,13 @@ class ProxySynthesis(nn.Module):
     ``mu = 0`` is exactly the base loss. A stateful base (Proxy-ISA) updates its state from
     the real samples only (synthetic classes have no state). The generator state is part of
     ``state_dict`` (``_extra_state``), so a resumed run draws the same lambdas.
+
+    Class-sharded base (``base_loss.shard`` over W ranks): every rank gets the same global
+    batch and draws the same lambda (same seed, same number of draws: the generator state
+    stays identical on every rank). Synthetic proxy j is counted on exactly one rank, the one
+    whose contiguous part of the n synthetic columns holds j (the class-range rule applied to
+    n); its two real proxies are fetched from their owners (``ShardContext.fetch_rows``),
+    and their gradient is summed back to the owners.
     """
 
     def __init__(
@@ -121,8 +129,12 @@ class ProxySynthesis(nn.Module):
 
     @property
     def proxies(self) -> nn.Parameter:
-        """The base loss' proxies (C, d)."""
+        """The base loss' proxies (C_local, d): all of them, or this rank's shard."""
         return self.base.proxies
+
+    @property
+    def shard(self) -> ShardContext:
+        return self.base.shard
 
     @property
     def num_classes(self) -> int:
@@ -170,14 +182,39 @@ class ProxySynthesis(nn.Module):
         xs, ys = (x_hat, labels) if perm is None else (x_hat[perm], labels[perm])
         # x~_i = lam x̂_i + (1 - lam) x̂_{i-1}: row i paired with its cyclic predecessor.
         x_syn = torch.lerp(xs.roll(1, dims=0)[:n], xs[:n], lam)
-        synthetic = SyntheticProxies(first=ys[:n], second=ys.roll(1)[:n], lam=lam)
-        y_syn = base.num_classes + torch.arange(n, device=labels.device)
-        loss = base.loss_from(
-            torch.cat([xs, x_syn]), base.proxies, torch.cat([ys, y_syn]), synthetic
-        )
+        first, second = ys[:n], ys.roll(1)[:n]
+        shard = base.shard
+        synthetic: SyntheticProxies | Tensor
+        if not shard.sharded:
+            synthetic = SyntheticProxies(first=first, second=second, lam=lam)
+            y_all = torch.cat([ys, base.num_classes + torch.arange(n, device=labels.device)])
+        else:
+            synthetic, y_syn = self._local_synthetic(first, second, lam)
+            y_all = torch.cat([shard.localize(ys), y_syn])
+        loss = base.loss_from(torch.cat([xs, x_syn]), base.proxies, y_all, synthetic)
         if base.training:
             base.update_state(embeddings, labels)
         return loss
+
+    def _local_synthetic(self, first: Tensor, second: Tensor, lam: float) -> tuple[Tensor, Tensor]:
+        """Sharded: this rank's raw synthetic proxies (n_local, d) and the local labels (n,)
+        of the n synthetic samples (``C_local + j - start`` for this rank's j, else -1).
+
+        ``first``/``second`` (n,) global class ids, identical on every rank.
+        """
+        base = self.base
+        shard = base.shard
+        n = first.shape[0]
+        start, end = shard.split(n)
+        # The batch's proxies (at most 2n distinct classes), fetched once from their owners.
+        classes, inverse = torch.unique(torch.cat([first, second]), return_inverse=True)
+        p_hat = normalize_rows(shard.fetch_rows(base.proxies, classes))
+        # Same as SyntheticProxies.raw: lam p̂_first + (1 - lam) p̂_second, unnormalised. Even
+        # an empty slice keeps the fetch in this rank's graph: its backward is a collective.
+        q = torch.lerp(p_hat[inverse[n + start : n + end]], p_hat[inverse[start:end]], lam)
+        y_syn = torch.full((n,), -1, dtype=torch.long, device=first.device)
+        y_syn[start:end] = base.num_local + torch.arange(end - start, device=first.device)
+        return q, y_syn
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:g}, mu={self.mu:g}"

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python tests/benchmarks/bench_losses.py [--threads 2] [--sizes small,large]``.
 Not collected by pytest (no test functions). Prints a markdown table:
-loss | size | ours ms | floor ms | ratio | PML ms | speed-up.
+loss | size | ours ms | floor ms | ratio | in-step | PML ms | speed-up.
 
 The floor of one step is the three GEMMs every proxy loss needs: ``S = x̂ p̂ᵀ`` (forward),
 ``dS p̂`` and ``dSᵀ x̂`` (backward), on already-normalised operands. Times are the best of
@@ -10,6 +10,11 @@ The floor of one step is the three GEMMs every proxy loss needs: ``S = x̂ p̂�
 loss and its floor see the same load; best-of is the least noisy statistic on a shared machine).
 PML (``pip install pytorch-metric-learning``, a benchmark-only dependency) is measured in
 the same run for Proxy-Anchor, Norm-Softmax and ProxyNCA++ when it is installed.
+
+``in-step`` is a load-robust estimate of the same ratio: in profiled steps of our loss,
+(time of all ops) / (time of its GEMMs). On a busy shared machine the wall-clock ratio is
+noise (and with 2 threads every multi-threaded op waits for a descheduled partner thread);
+compare ``--threads 1`` runs and the in-step column there.
 """
 
 from __future__ import annotations
