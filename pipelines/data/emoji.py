@@ -372,7 +372,7 @@ def build_emoji(
         size = TINY_SIZE
     if not 8 <= size <= 1024:
         raise DataError(f"emoji image size must be in [8, 1024], got {size}")
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # npm runs in the cache folder: a relative path would nest
     if out.exists() and not out.is_dir():
         raise DataError(f"emoji output {out} exists and is not a folder")
     cache = out / ".cache"

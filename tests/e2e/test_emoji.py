@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -35,9 +36,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def tiny(tmp_path_factory) -> Path:
     assert shutil.which("npm"), "npm is needed to fetch the emoji packages (apt-get install npm)"
     out = tmp_path_factory.mktemp("emoji") / "tiny"
-    # Through the CLI, as a user would build it.
+    # Through the CLI, as a user would build it: a relative --out (npm runs in the cache folder,
+    # so a relative path used to nest and make `npm pack` fail).
     proc = subprocess.run([sys.executable, "-m", "services.cli", "data", "build", "emoji", "--tiny",
-                           "--out", str(out), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--out", "tiny", "--quiet"], cwd=out.parent, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     return out
 
