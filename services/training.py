@@ -56,7 +56,10 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True) ->
             with result.checkpoint.as_directory() as d:
                 # Final checkpoint and its config.yaml as run artifacts.
                 tracker.log_artifacts(Path(d), "checkpoint")
-                tracker.log_artifacts(_config_dir(Path(d)), None)
+                with tempfile.TemporaryDirectory(prefix="proxydml-config-") as cfg_dir:
+                    # config.yaml also at the run's top level; log_artifacts copies it into its spool.
+                    shutil.copy(Path(d) / "config.yaml", Path(cfg_dir) / "config.yaml")
+                    tracker.log_artifacts(Path(cfg_dir), None)
                 if "epoch" not in metrics:  # the run was already complete: report its last epoch
                     state = json.loads((Path(d) / "trainer_state.json").read_text())
                     metrics = state["history"][-1] if state.get("history") else {}
@@ -73,9 +76,3 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True) ->
     finally:
         tracker.close(timeout=60)
         mt.end_run(run_id, uri, status)
-
-
-def _config_dir(checkpoint: Path) -> Path:
-    d = Path(tempfile.mkdtemp(prefix="proxydml-config-"))
-    shutil.copy(checkpoint / "config.yaml", d / "config.yaml")
-    return d
