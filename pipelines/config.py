@@ -179,9 +179,12 @@ class TrainConfig:
     recall_ks: list[int] = doc("Recall@K values reported", [1, 2, 4, 8])
     nmi: bool = doc("also compute NMI (k-means) at evaluation", False)
     log_every: int = doc("print the running loss every N steps (0 = per epoch only)", 0)
+    eval_every: int = doc("evaluate on the unseen classes every N epochs and always after the last one "
+                          "(Tune's schedulers need 1: they compare trials epoch by epoch)", 1)
 
     def __post_init__(self) -> None:
         _positive("train.epochs", self.epochs)
+        _positive("train.eval_every", self.eval_every)
         _non_negative("train.seed", self.seed)
         _non_negative("train.max_steps_per_epoch", self.max_steps_per_epoch)
         _non_negative("train.log_every", self.log_every)
@@ -255,12 +258,13 @@ class Config:
 
         Scaling and tracking are left out on purpose: the same run resumes on a different
         number of workers, and the epoch count is left out so a finished run can be
-        extended by starting it again with more epochs.
+        extended by starting it again with more epochs (the evaluation period too).
         """
         d = self.to_dict()
         d.pop("scaling")
         d.pop("tracking")
         d["train"].pop("epochs")
+        d["train"].pop("eval_every")  # how often we look does not change what is trained
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 

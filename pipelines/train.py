@@ -289,7 +289,10 @@ def run(
         scheduler.step()
         train_time = time.perf_counter() - t0
 
-        evaluated = evaluate(ddp_model, split, cfg, dev)
+        # Embedding every unseen image costs about as much as a tenth of an epoch's training on
+        # CPU; long runs can look less often, but the last epoch is always scored.
+        last = epoch + 1 == cfg.train.epochs
+        evaluated = evaluate(ddp_model, split, cfg, dev) if last or (epoch + 1) % cfg.train.eval_every == 0 else None
         metrics = {
             "epoch": epoch + 1,
             "loss": total / max(steps, 1),

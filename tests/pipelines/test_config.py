@@ -64,6 +64,7 @@ def test_run_name_is_deterministic_and_ignores_scaling_and_epochs():
         (["data.batch_size=63", "data.samples_per_class=0"], "data.batch_size"),
         (["optim.lr=0"], "optim.lr"),
         (["train.recall_ks=[0]"], "train.recall_ks"),
+        (["train.eval_every=0"], "train.eval_every"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(overrides, key):

@@ -42,3 +42,16 @@ def test_checkpoint_holds_everything_and_evaluates(tmp_path):
     again = evaluate_checkpoint(ckpt)
     for key in ("recall_at_1", "map_at_r", "r_precision", "precision_at_1"):
         assert again[key] == pytest.approx(metrics[key], abs=1e-6)
+
+
+def test_eval_every_scores_every_nth_and_the_last_epoch_and_trains_the_same(tmp_path):
+    every = LocalReporter(tmp_path / "every")
+    run(load_config("digits", [*OVERRIDES, "train.epochs=3"]), every)
+    sparse = LocalReporter(tmp_path / "sparse")
+    cfg = load_config("digits", [*OVERRIDES, "train.epochs=3", "train.eval_every=2"])
+    assert cfg.run_name() == load_config("digits", [*OVERRIDES, "train.epochs=3"]).run_name()
+    run(cfg, sparse)
+    assert ["map_at_r" in h for h in sparse.history] == [False, True, True]  # epoch 2, and the last
+    for a, b in zip(every.history, sparse.history):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)  # looking less does not change training
+    assert sparse.history[-1]["map_at_r"] == pytest.approx(every.history[-1]["map_at_r"], abs=1e-6)
