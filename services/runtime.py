@@ -7,11 +7,14 @@ and adapts Ray's session to the pipeline's Reporter protocol.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Keep every Ray process (GCS, raylet, workers, gloo) on loopback; must be set before import.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -60,8 +63,128 @@ def gpu_available() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+# How long a worker keeps retrying a checkpoint upload that fails (the storage server is down
+# or unreachable) before it gives up and lets Ray's FailureConfig restart the worker group from
+# the last registered checkpoint. The driver reads it when the run starts (workers do not see
+# the driver's environment) and hands it to every worker; 0 = one attempt, no retry.
+UPLOAD_RETRY_ENV = "PROXYDML_CHECKPOINT_UPLOAD_RETRY_S"
+DEFAULT_UPLOAD_RETRY_S = 600.0
+# A healthy upload of our checkpoints takes well under this; past it the worker says so.
+UPLOAD_SLOW_WARN_S = 5.0
+_log = logging.getLogger("proxydml.checkpoint")
+T = TypeVar("T")
+
+
+def upload_retry_budget() -> float:
+    """Seconds of checkpoint-upload retries per report ($PROXYDML_CHECKPOINT_UPLOAD_RETRY_S)."""
+    raw = os.environ.get(UPLOAD_RETRY_ENV, "")
+    try:
+        return max(float(raw), 0.0) if raw.strip() else DEFAULT_UPLOAD_RETRY_S
+    except ValueError as exc:
+        raise ValueError(f"{UPLOAD_RETRY_ENV} must be a number of seconds, got {raw!r}") from exc
+
+
+def verify_upload(local_dir: str | os.PathLike[str], fs: Any, dest: str) -> None:
+    """Raise OSError unless every file under ``local_dir`` is at ``(fs, dest)`` with its size.
+
+    Why: ``pyarrow.fs.copy_files``, which Ray Train uploads checkpoints with, returns success
+    when the upload of a file to S3 failed (pyarrow 25.0.1, measured: the error only shows as
+    "Error ignored when destroying file" on stderr and the object is never created). Without
+    this check a checkpoint missing its model.pt could be registered.
+    """
+    import pyarrow.fs
+
+    local = Path(local_dir)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(dest, recursive=True, allow_not_found=True))
+    remote = {Path(i.path).relative_to(dest).as_posix(): i.size for i in infos
+              if i.type == pyarrow.fs.FileType.File}
+    wrong = [f"{rel} ({'missing' if rel not in remote else f'{remote[rel]} of {size} bytes'})"
+             for f in sorted(local.rglob("*")) if f.is_file()
+             for rel, size in [(f.relative_to(local).as_posix(), f.stat().st_size)]
+             if remote.get(rel) != size]
+    if wrong:
+        raise OSError(f"upload to {dest} incomplete: {', '.join(wrong)}")
+
+
+def retry_upload(upload: Callable[[], T], *, label: str, budget_s: float, max_delay_s: float = 15.0,
+                 warn_after_s: float = UPLOAD_SLOW_WARN_S) -> T:
+    """``upload()``, retried with exponential backoff until it succeeds or ``budget_s`` is spent.
+
+    Logs a warning while an attempt hangs (the S3 client retries each request for ~25 s on its
+    own, see ``services.stack.S3_MAX_ATTEMPTS``) and on every failed attempt, so an outage is
+    visible in the worker's log while it lasts. ``FileNotFoundError`` (the local folder is
+    gone) is a bug, not an outage, and is raised at once.
+    """
+    deadline = time.monotonic() + budget_s
+    delay, attempt = 1.0, 1
+    while True:
+        started = time.monotonic()
+        done = threading.Event()
+
+        def watch(attempt: int = attempt, started: float = started, done: threading.Event = done) -> None:
+            interval = warn_after_s  # then 2x, 4x, ...: a long healthy upload is not a log flood
+            while not done.wait(interval):
+                interval = min(interval * 2, 120.0)
+                _log.warning("%s: upload attempt %d still running after %.0f s: storage slow or "
+                             "unreachable? (the S3 client keeps retrying)", label, attempt,
+                             time.monotonic() - started)
+
+        threading.Thread(target=watch, daemon=True, name="upload-watchdog").start()
+        try:
+            result = upload()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # pyarrow's network and S3 errors are OSErrors
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _log.error("%s: upload failed %d time(s), giving up after %.0f s (Ray restarts from "
+                           "the last registered checkpoint if scaling.max_failures allows): %s",
+                           label, attempt, budget_s, exc)
+                raise
+            wait = min(delay, left)
+            _log.warning("%s: upload attempt %d failed, storage unreachable? retrying in %.0f s "
+                         "(gives up after %.0f s): %s", label, attempt, wait, budget_s, exc)
+            time.sleep(wait)
+            delay, attempt = min(delay * 2, max_delay_s), attempt + 1
+            continue
+        finally:
+            done.set()
+        if attempt > 1 or time.monotonic() - started > warn_after_s:
+            _log.warning("%s: uploaded after %d attempt(s), %.0f s", label, attempt,
+                         time.monotonic() - started)
+        return result
+
+
+def _persist_checkpoint(checkpoint: ray.train.Checkpoint, dir_name: str, *,
+                        budget_s: float) -> ray.train.Checkpoint:
+    """Ray's own upload (``persist_current_checkpoint``), verified, retried (:func:`retry_upload`).
+
+    A retry writes the whole folder again into the same checkpoint directory (each S3 object
+    appears whole or not at all), and Ray registers a checkpoint only once every rank's
+    upload function has returned, so a registered checkpoint is never half written.
+    """
+    context = ray.train.get_context()
+    storage = context.get_storage()
+
+    def upload() -> ray.train.Checkpoint:
+        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+        verify_upload(checkpoint.path, persisted.filesystem, persisted.path)
+        return persisted
+
+    label = f"checkpoint {dir_name} (rank {context.get_world_rank()})"
+    return retry_upload(upload, label=label, budget_s=budget_s)
+
+
 class RayReporter:
-    """The pipeline's Reporter on top of the Ray Train session."""
+    """The pipeline's Reporter on top of the Ray Train session.
+
+    Uploads to remote storage go through :func:`_persist_checkpoint` (verified, retried for
+    ``upload_retry_s``); a local or shared folder keeps Ray's plain copy (a write it refuses
+    means a full or missing disk, not a server briefly away).
+    """
+
+    def __init__(self, upload_retry_s: float = 0.0) -> None:
+        self.upload_retry_s = upload_retry_s
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
@@ -74,7 +197,14 @@ class RayReporter:
 
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        upload = None
+        if checkpoint is not None:
+            import pyarrow.fs
+
+            fs = ray.train.get_context().get_storage().storage_filesystem
+            if not isinstance(fs, pyarrow.fs.LocalFileSystem):
+                upload = functools.partial(_persist_checkpoint, budget_s=self.upload_retry_s)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_fn=upload)
 
 
 def _system_metrics(run_id: str, uri: str) -> Any:
@@ -102,9 +232,10 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     cfg = from_dict(loop_config["config"])
+    reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0))
     run_id = loop_config.get("mlflow_run_id")
     if not run_id or ray.train.get_context().get_world_rank() != 0:
-        train_pipeline.run(cfg, RayReporter(), NullTracker())
+        train_pipeline.run(cfg, reporter, NullTracker())
         return
     from services.mlflow_tracking import MlflowTracker
 
@@ -116,7 +247,7 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     monitor = _system_metrics(run_id, loop_config["mlflow_uri"])
     try:
         # The run id travels in every checkpoint: a restarted worker continues the same run.
-        train_pipeline.run(cfg, RayReporter(), tracker, extra_state={"mlflow_run_id": run_id})
+        train_pipeline.run(cfg, reporter, tracker, extra_state={"mlflow_run_id": run_id})
     finally:
         if monitor is not None:
             monitor.finish()
@@ -134,16 +265,14 @@ def storage(cfg: Config) -> tuple[str, Any]:
     path = cfg.tracking.storage_path or "runs"
     if not path.startswith("s3://"):
         return str(Path(path.removeprefix("file://")).resolve()), None
-    import pyarrow.fs
+    from services.stack import ray_storage, retrying_s3_filesystem
 
     bucket_prefix = path.removeprefix("s3://").strip("/")
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
-        from services.stack import ray_storage
-
         bucket, _, prefix = bucket_prefix.partition("/")
         return ray_storage(endpoint, bucket, prefix)
-    return bucket_prefix, pyarrow.fs.S3FileSystem()
+    return bucket_prefix, retrying_s3_filesystem()
 
 
 def checkpoint_uri(cfg: Config, checkpoint: ray.train.Checkpoint) -> str:
@@ -163,7 +292,8 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
         resources["GPU"] = 1
     trainer = TorchTrainer(
         _train_loop,
-        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri},
+        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri,
+                           "upload_retry_s": upload_retry_budget()},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=use_gpu, resources_per_worker=resources
         ),
@@ -251,14 +381,24 @@ def tune_sweep(spec: Any, *, parent_run_id: str, mlflow_uri: str, storage_root: 
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
     else:
         scheduler = (
-            ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=1, reduction_factor=2)
+            ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=spec.grace_period,
+                          reduction_factor=spec.reduction_factor)
             if spec.scheduler == "asha" else FIFOScheduler()
         )
         search_alg = None
+        limit: int | None = spec.max_concurrent
+        points = [dict(p) for p in spec.points] or None
         if spec.search == "optuna":
             from ray.tune.search.optuna import OptunaSearch
 
-            search_alg = OptunaSearch(seed=spec.base.train.seed)
+            search_alg = OptunaSearch(seed=spec.base.train.seed, points_to_evaluate=points)
+        elif points:
+            from ray.tune.search.basic_variant import BasicVariantGenerator
+
+            # Tune applies max_concurrent_trials only to its own generator (and warns otherwise):
+            # a given one carries the limit itself.
+            search_alg = BasicVariantGenerator(points_to_evaluate=points, max_concurrent=spec.max_concurrent)
+            limit = None
         space = {d.key: _tune_domain(d) for d in spec.space}
         tuner = tune.Tuner(
             trainable,
@@ -266,7 +406,7 @@ def tune_sweep(spec: Any, *, parent_run_id: str, mlflow_uri: str, storage_root: 
             tune_config=tune.TuneConfig(
                 metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
                 num_samples=1 if spec.search == "grid" else spec.samples,
-                max_concurrent_trials=spec.max_concurrent,
+                max_concurrent_trials=limit,
             ),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1),
         )

@@ -15,11 +15,13 @@ the ports) lives in one state folder, default ``.proxydml/stack``. Every server 
 server with every child it spawned (MLflow's uvicorn) and the processes outlive the CLI.
 
 ``ray_storage`` gives Ray Train a ``(storage_path, pyarrow S3FileSystem)`` pair on the same
-S3 server. Nothing here imports Ray (only ``services/runtime.py`` may).
+S3 server; its requests ride out ~25 s of an unreachable server (``retrying_s3_filesystem``).
+Nothing here imports Ray (only ``services/runtime.py`` may).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -606,8 +608,6 @@ def ray_storage(
     with a filesystem object (STACK.md). Keys: ``credentials``, else the stack's, else
     $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY.
     """
-    import pyarrow.fs
-
     if isinstance(stack_or_endpoint, Stack):
         endpoint = stack_or_endpoint.s3_endpoint
         bucket = bucket or stack_or_endpoint.bucket
@@ -623,12 +623,53 @@ def ray_storage(
     # With explicit keys and region the AWS SDK has no reason to ask the metadata address,
     # but an unset region lookup still may: keep it off (not loopback).
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    fs = pyarrow.fs.S3FileSystem(
+    fs = retrying_s3_filesystem(
         access_key=credentials.access_key, secret_key=credentials.secret_key,
         region=credentials.region, endpoint_override=parts.netloc, scheme=parts.scheme or "http",
     )
     path = f"{bucket}/{prefix.strip('/')}" if prefix.strip("/") else bucket
     return path, fs
+
+
+# Attempts per S3 request: pyarrow's AwsDefaultS3RetryStrategy waits 25 ms x 2^k between
+# them, so 10 attempts ride out ~25 s of an unreachable server (measured: 25.6 s against a
+# refused port; 3 attempts, pyarrow's default, give up after ~0.5 s).
+S3_MAX_ATTEMPTS = 10
+
+
+def retrying_s3_filesystem(max_attempts: int = S3_MAX_ATTEMPTS, **options: Any) -> pyarrow.fs.S3FileSystem:
+    """A pyarrow ``S3FileSystem(**options)`` whose requests retry ``max_attempts`` times, also
+    in the processes it is pickled to.
+
+    Why: Ray ships the RunConfig's filesystem to its Train controller and to every worker by
+    pickling, and pyarrow's pickling drops ``retry_strategy`` (pyarrow 25): the copies fell
+    back to 3 quick attempts, and one S3 blip while the controller wrote its checkpoint
+    snapshot failed the whole run (a ControllerError, which FailureConfig does not retry).
+    The deterministic default strategy (no jitter, no retry quota) keeps the outage it
+    covers predictable.
+    """
+    return _retrying_s3_class()(max_attempts=max_attempts, **options)
+
+
+@functools.cache
+def _retrying_s3_class() -> type:
+    # Built on first use: importing pyarrow costs ~0.25 s that ``proxydml stack`` never needs.
+    import pyarrow.fs
+
+    class RetryingS3FileSystem(pyarrow.fs.S3FileSystem):
+        def __init__(self, *, max_attempts: int, **options: Any) -> None:
+            super().__init__(retry_strategy=pyarrow.fs.AwsDefaultS3RetryStrategy(max_attempts=max_attempts),
+                             **options)
+            self._rebuild_args = (max_attempts, options)
+
+        def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+            return _rebuild_retrying_s3, self._rebuild_args
+
+    return RetryingS3FileSystem
+
+
+def _rebuild_retrying_s3(max_attempts: int, options: dict[str, Any]) -> pyarrow.fs.S3FileSystem:
+    return retrying_s3_filesystem(max_attempts, **options)
 
 
 # ---------------------------------------------------------------- CLI -------------------------
