@@ -50,15 +50,26 @@ class SweepSpec:
     max_concurrent: int
     metric: str = "map_at_r"
     mode: str = "max"
+    # ASHA's first rung (epochs) and the fraction 1/reduction_factor promoted at each rung.
+    grace_period: int = 1
+    reduction_factor: int = 2
+    # Configs (dotted key -> value) run first, before any sampling: two sweeps given the same
+    # points compare schedulers on identical trials (tests/benchmarks/bench_tune.py).
+    points: tuple[dict[str, Any], ...] = ()
 
     def name(self) -> str:
         """Deterministic sweep name: re-running the same command resumes the same sweep."""
-        blob = json.dumps(
-            {"base": self.base.experiment_hash(), "epochs": self.base.train.epochs,
-             "space": [(d.key, d.kind, d.values) for d in self.space], "samples": self.samples,
-             "scheduler": self.scheduler, "search": self.search, "metric": self.metric},
-            sort_keys=True, default=str,
-        ).encode()
+        fields: dict[str, Any] = {
+            "base": self.base.experiment_hash(), "epochs": self.base.train.epochs,
+            "space": [(d.key, d.kind, d.values) for d in self.space], "samples": self.samples,
+            "scheduler": self.scheduler, "search": self.search, "metric": self.metric,
+        }
+        # Only when set: the names (and so the resumability) of existing sweeps stay as they were.
+        if (self.grace_period, self.reduction_factor) != (1, 2):
+            fields["asha"] = [self.grace_period, self.reduction_factor]
+        if self.points:
+            fields["points"] = [sorted(p.items()) for p in self.points]
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return f"sweep-{self.base.data.name}-{self.base.loss.name}-{hashlib.sha256(blob).hexdigest()[:8]}"
 
 
@@ -119,6 +130,7 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> list[Dimension
 def load_sweep(
     base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
     max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
+    grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
 ) -> SweepSpec:
     """Build and check a sweep before anything starts."""
     path = resolve_space_file(space)
@@ -156,7 +168,30 @@ def load_sweep(
         )
     if metric not in ("map_at_r", "r_precision", "precision_at_1") and not metric.startswith("recall_at_"):
         raise ConfigError(f"--metric {metric!r} is not a reported retrieval metric")
-    return SweepSpec(base, dims, samples, scheduler, search, max_concurrent, metric)
+    if base.train.eval_every != 1:
+        raise ConfigError(f"train.eval_every must be 1 in a sweep (got {base.train.eval_every}): the scheduler "
+                          f"compares trials on every epoch's {metric}")
+    if grace_period < 1 or grace_period > base.train.epochs:
+        raise ConfigError(f"ASHA grace period must be in [1, train.epochs={base.train.epochs}], got {grace_period}")
+    if reduction_factor < 2:
+        raise ConfigError(f"ASHA reduction factor must be >= 2, got {reduction_factor}")
+    points = list(points or [])
+    if points and search == "grid":
+        raise ConfigError("preset points need --search random or optuna (a grid fixes every trial itself)")
+    if len(points) > samples:
+        raise ConfigError(f"{len(points)} preset points but only {samples} trial(s)")
+    keys = {d.key for d in dims}
+    for i, point in enumerate(points):
+        unknown = sorted(set(point) - keys)
+        if unknown:
+            raise ConfigError(f"preset point {i}: {', '.join(unknown)} not in the search space")
+        try:
+            apply(base, point)
+        except ConfigError as exc:
+            raise ConfigError(f"preset point {i}: {exc}") from exc
+    return SweepSpec(base, dims, samples, scheduler, search, max_concurrent, metric,
+                     grace_period=grace_period, reduction_factor=reduction_factor,
+                     points=tuple(dict(p) for p in points))
 
 
 # -- MLflow ------------------------------------------------------------------------------------
@@ -317,6 +352,7 @@ class SweepOutcome:
 def run_sweep(
     base: Config, space: str | Path, *, samples: int = 8, scheduler: str = "asha", search: str = "optuna",
     max_concurrent: int | None = None, metric: str = "map_at_r", address: str | None = None,
+    grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
 ) -> SweepOutcome:
     """Validate, open (or reopen) the parent run, run the Tuner, log the report."""
 
@@ -328,10 +364,12 @@ def run_sweep(
     space_file = resolve_space_file(space)
     # Schema and domain errors first, before a cluster is even started.
     load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
-               max_concurrent=None, cluster_cpus=math.inf, metric=metric)
+               max_concurrent=None, cluster_cpus=math.inf, metric=metric, grace_period=grace_period,
+               reduction_factor=reduction_factor, points=points)
     runtime.ensure_ray(address)
     spec = load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
-                      max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric)
+                      max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric,
+                      grace_period=grace_period, reduction_factor=reduction_factor, points=points)
     uri = mt.tracking_uri(base)
     parent_id, resumed = open_parent_run(spec, uri, space_file)
     status = "FAILED"

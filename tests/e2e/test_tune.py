@@ -95,12 +95,25 @@ def test_space_errors_come_before_any_trial(tmp_path):
         bad.write_text(yaml.safe_dump({"optim.lr": {"grid": [0.001, 0.01]}}))
         sweep.load_sweep(base, bad, samples=2, scheduler="asha", search="optuna", max_concurrent=None,
                          cluster_cpus=4)
+    ok = dict(samples=2, scheduler="asha", search="random", max_concurrent=None, cluster_cpus=4)
+    with pytest.raises(ConfigError, match="train.eval_every must be 1 in a sweep"):
+        sweep.load_sweep(from_dict({**base.to_dict(), "train": {**base.to_dict()["train"], "eval_every": 2}}),
+                         "digits_quick", **ok)
+    with pytest.raises(ConfigError, match="ASHA grace period must be in"):
+        sweep.load_sweep(base, "digits_quick", grace_period=base.train.epochs + 1, **ok)
+    with pytest.raises(ConfigError, match="reduction factor must be >= 2"):
+        sweep.load_sweep(base, "digits_quick", reduction_factor=1, **ok)
+    with pytest.raises(ConfigError, match="preset point 0: loss.nope not in the search space"):
+        sweep.load_sweep(base, "digits_quick", points=[{"loss.nope": 1.0}], **ok)
+    with pytest.raises(ConfigError, match="3 preset points but only 2 trial"):
+        sweep.load_sweep(base, "digits_quick", points=[{}, {}, {}], **ok)
 
 
 @pytest.mark.parametrize("space", sorted(p.name for p in sweep.SEARCH_DIR.glob("*.yaml")))
 def test_shipped_spaces_validate(space):
     recipe = {"proxy_isa.yaml": "proxy_isa_cub", "proxy_nca_pp.yaml": "proxy_nca_pp_cub",
-              "proxy_synthesis.yaml": "proxy_synthesis_cub"}.get(space, "digits")
+              "proxy_synthesis.yaml": "proxy_synthesis_cub",
+              "emoji_proxy_anchor.yaml": "emoji_proxy_anchor"}.get(space, "digits")
     base = load_config(recipe)
     spec = sweep.load_sweep(base, space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
                             cluster_cpus=64)
