@@ -31,3 +31,24 @@ def local_mlflow(tmp_path):
 
     uri, _ = local_store(tmp_path / "mlruns")
     return uri
+
+
+@pytest.fixture(scope="module")
+def make_stack(tmp_path_factory):
+    """Starts real local stacks (moto S3 + MLflow server on 127.0.0.1, free ports) with the
+    given credentials; every one is stopped when the module ends. Each test module keeps its
+    own test keys, so a secret scan can tell whose keys leaked."""
+    from services.stack import Stack
+
+    started = []
+
+    def make(credentials, start_timeout: float = 120):
+        st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=credentials,
+                   s3_server="moto", start_timeout=start_timeout)
+        started.append(st)
+        st.up()
+        return st
+
+    yield make
+    for st in started:
+        st.down()

@@ -199,13 +199,8 @@ def _drop(s: socket.socket) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=CREDS,
-               s3_server="moto", start_timeout=120)
-    st.up()
-    yield st
-    st.down()
+def stack(make_stack):
+    return make_stack(CREDS)
 
 
 @pytest.fixture

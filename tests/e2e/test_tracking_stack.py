@@ -5,7 +5,6 @@ middle of training; a scan of everything a run leaves for the credentials.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -25,13 +24,8 @@ PLOTS = {"plots/learning_curves.png", "plots/retrieval_grid.png", "plots/proxy_s
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=CREDS,
-               s3_server="moto", start_timeout=120)
-    st.up()
-    yield st
-    st.down()
+def stack(make_stack):
+    return make_stack(CREDS)
 
 
 @pytest.fixture

@@ -32,13 +32,8 @@ S3_ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=TEST_CREDENTIALS,
-               s3_server="moto", start_timeout=90)
-    st.up()
-    yield st
-    st.down()
+def stack(make_stack):
+    return make_stack(TEST_CREDENTIALS, start_timeout=90)
 
 
 @pytest.fixture(scope="module")
