@@ -196,6 +196,15 @@ class EfficientNetLite0(nn.Module):
         # Only the classifier variant has a head: an unused parameter would break DDP.
         self._fc = nn.Linear(LITE0_CHANNELS, num_classes) if num_classes else None
 
+    def stages(self) -> list[list[nn.Module]]:
+        """Stem, then the 7 block stages (strides 2, 4, 8, 16, 16, 32, 32), then the head conv."""
+        out: list[list[nn.Module]] = [[self._conv_stem, self._bn0]]
+        first = 0
+        for repeats, *_ in _LITE0_STAGES:
+            out.append(list(self._blocks[first : first + repeats]))
+            first += repeats
+        return out + [[self._conv_head, self._bn1]]
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = F.relu6(self._bn0(self._conv_stem(self.normalize(images))))
         for block in self._blocks:
@@ -248,6 +257,10 @@ class _ResNetFeatures(nn.Module):
         # Same attribute names as torchvision, so its state dicts load without renaming.
         for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"):
             setattr(self, name, getattr(net, name))
+
+    def stages(self) -> list[list[nn.Module]]:
+        """Stem (conv1, bn1), then layer1 .. layer4."""
+        return [[self.conv1, self.bn1], [self.layer1], [self.layer2], [self.layer3], [self.layer4]]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(self.normalize(images)))))
@@ -310,6 +323,15 @@ class BNInception(nn.Module):
             self._conv_bn(f"{p}_double_3x3_2", cd, cd, 3, stride)
             if proj:
                 self._conv_bn(f"{p}_pool_proj", cin, proj, 1)
+
+    def stages(self) -> list[list[nn.Module]]:
+        """Stem (conv1, conv2), then the inception 3, 4 and 5 groups."""
+        stem = ["conv1_7x7_s2", "conv2_3x3_reduce", "conv2_3x3"]
+        out = [[m for n in stem for m in (getattr(self, n), getattr(self, f"{n}_bn"))]]
+        for group in "345":
+            prefixes = [f"inception_{spec[0]}_" for spec in self._spec if spec[0].startswith(group)]
+            out.append([m for n, m in self.named_children() if n.startswith(tuple(prefixes))])
+        return out
 
     def _conv_bn(self, name: str, cin: int, cout: int, k: int, stride: int = 1) -> None:
         setattr(self, name, nn.Conv2d(cin, cout, k, stride, k // 2))  # Caffe convs have biases

@@ -87,9 +87,20 @@ class ModelConfig:
     layer_norm: bool = doc("LayerNorm without affine on the pooled features (ProxyNCA++)", False)
     embedding_dim: int = doc("embedding size", 64)
     frozen_bn: bool = doc("keep BatchNorm statistics and affine frozen", False)
+    frozen_stages: int = doc(
+        "freeze the backbone's first N stages, the stem counting as the first (0 = train all): "
+        "no gradients and BatchNorm statistics fixed there, which also skips their backward",
+        0,
+    )
+    channels_last: bool = doc(
+        "run the backbone in NHWC memory layout (about 2x faster for Lite0 on CPU; only float "
+        "rounding differs, so it is not part of the run hash)",
+        True,
+    )
 
     def __post_init__(self) -> None:
         _choice("model.backbone", self.backbone, BACKBONES)
+        _non_negative("model.frozen_stages", self.frozen_stages)
         _choice("model.pooling", self.pooling, ("avg", "max", "avg+max"))
         _positive("model.embedding_dim", self.embedding_dim)
         _positive("model.width", self.width)
@@ -265,6 +276,7 @@ class Config:
         d.pop("tracking")
         d["train"].pop("epochs")
         d["train"].pop("eval_every")  # how often we look does not change what is trained
+        d["model"].pop("channels_last")  # memory layout: float rounding only
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 

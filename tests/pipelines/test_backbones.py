@@ -110,3 +110,71 @@ def test_shape_mismatch_is_reported(tmp_path):
     torch.save(state, path)
     with pytest.raises(DataError, match=r"1 shape mismatches \(e.g. conv1_7x7_s2.weight"):
         load_weights(BNInception(), path, "bninception")
+
+
+ALL_BACKBONES = ("convnet", "efficientnet_lite0", "resnet50", "bninception")
+
+
+@pytest.mark.parametrize("name", ALL_BACKBONES)
+def test_stages_partition_the_backbone_parameters(name):
+    """Every parameter belongs to exactly one stage, so frozen_stages=len(stages) freezes all."""
+    module, _ = BACKBONES[name](ModelConfig(backbone=name), 3)
+    stages = module.stages()
+    owned = [id(p) for stage in stages for m in stage for p in m.parameters()]
+    assert len(owned) == len(set(owned))
+    assert set(owned) == {id(p) for p in module.parameters()}
+    assert len(stages) == {"convnet": 3, "efficientnet_lite0": 9, "resnet50": 5, "bninception": 4}[name]
+
+
+def test_frozen_stages_keep_weights_and_bn_statistics_and_skip_backward():
+    torch.manual_seed(0)
+    cfg = ModelConfig(backbone="efficientnet_lite0", embedding_dim=8, frozen_stages=4)
+    model = EmbeddingModel(cfg).train()
+    frozen = [m for stage in model.backbone.stages()[:4] for m in stage]
+    before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.rand(4, 3, 32, 32)).pow(2).sum().backward()
+    opt.step()
+    after = model.backbone.state_dict()
+    frozen_keys = {f"{n}.{k}" for n, m in model.backbone.named_modules() if m in frozen for k in m.state_dict()}
+    assert frozen_keys and all(torch.equal(before[k], after[k]) for k in frozen_keys)  # BN stats too
+    assert all(p.grad is None for m in frozen for p in m.parameters())
+    # Stage 5 (blocks 5-7) trains: its weights and BN running statistics move.
+    block5 = "_blocks.5._expand_conv.weight"
+    assert not torch.equal(before[block5], after[block5])
+    assert not torch.equal(before["_blocks.5._bn0.running_mean"], after["_blocks.5._bn0.running_mean"])
+    assert all(not m.training for m in frozen) and model.backbone._blocks[5].training
+
+
+@pytest.mark.parametrize(("name", "n"), [("efficientnet_lite0", 10), ("convnet", 4)])
+def test_too_many_frozen_stages_is_a_config_error(name, n):
+    from pipelines.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model.frozen_stages={n}, but backbone {name} has {n - 1} stages"):
+        EmbeddingModel(ModelConfig(backbone=name, frozen_stages=n))
+    with pytest.raises(ConfigError, match="model.frozen_stages must be >= 0"):
+        ModelConfig(frozen_stages=-1)
+
+
+@pytest.mark.parametrize("name", ALL_BACKBONES)
+def test_channels_last_only_changes_the_memory_layout(name):
+    torch.manual_seed(0)
+    nchw = EmbeddingModel(ModelConfig(backbone=name, embedding_dim=8, channels_last=False)).eval()
+    nhwc = EmbeddingModel(ModelConfig(backbone=name, embedding_dim=8, channels_last=True)).eval()
+    nhwc.load_state_dict(nchw.state_dict())
+    assert next(nhwc.backbone.parameters()).dim() != 4 or any(
+        p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+        for p in nhwc.backbone.parameters()
+    )
+    x = torch.rand(3, 3, 64, 64)
+    with torch.no_grad():
+        a, b = nchw(x), nhwc(x)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * a.abs().max().item())
+
+
+def test_channels_last_is_not_part_of_the_run_hash():
+    from pipelines.config import load_config
+
+    a = load_config("digits", ["model.channels_last=true"])
+    assert a.run_name() == load_config("digits", ["model.channels_last=false"]).run_name()
+    assert a.run_name() != load_config("digits", ["model.frozen_stages=1"]).run_name()
