@@ -495,6 +495,18 @@ def build_emoji(
     return out
 
 
+def ensure_built(root: str | Path = DEFAULT_ROOT) -> Path:
+    """``root`` as is when it holds a finished build, else ``build_emoji(root)`` (full set, 64 px).
+
+    For scripts that need the data set: a full verify re-hashes every file (seconds), this
+    only checks that the last files a build writes are there.
+    """
+    root = Path(root)
+    if (root / "manifest.csv").is_file() and (root / "summary.json").is_file():
+        return root
+    return build_emoji(root)
+
+
 def _progress(items: list, enabled: bool, desc: str):
     if not enabled:
         return items

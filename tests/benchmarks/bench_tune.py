@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
 from pipelines.config import ConfigError, load_config  # noqa: E402
+from pipelines.data.emoji import ensure_built  # noqa: E402
 from services import sweep  # noqa: E402
 
 METRIC = "map_at_r"
@@ -200,11 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    root = Path(args.root)
-    if not (root / "manifest.csv").is_file():
-        from pipelines.data.emoji import build_emoji
-
-        build_emoji(root)
+    root = ensure_built(args.root)
     # A fresh folder per run: a sweep's name is its config hash, and an existing one would be resumed.
     work = Path(args.workdir).resolve() if args.workdir else Path(tempfile.mkdtemp(prefix="bench-tune-"))
     work.mkdir(parents=True, exist_ok=True)
