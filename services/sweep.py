@@ -358,8 +358,9 @@ def run_sweep(
 
     from services import mlflow_tracking as mt
     from services import runtime
-    from services.training import check_data
+    from services.training import check_data, resolve_paths
 
+    base = resolve_paths(base)
     check_data(base)
     space_file = resolve_space_file(space)
     # Schema and domain errors first, before a cluster is even started.

@@ -5,6 +5,7 @@ The MLflow run is always closed (FINISHED or FAILED): no run is left RUNNING by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.config import Config
-from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels
+from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels, with_absolute_root
 from services import mlflow_tracking as mt
 from services import runtime
 
@@ -27,6 +28,12 @@ class TrainOutcome:
     resumed: bool
 
 
+def resolve_paths(cfg: Config) -> Config:
+    """The config the workers get: ``data.root`` absolute (see ``with_absolute_root``)."""
+    data = with_absolute_root(cfg.data)
+    return cfg if data is cfg.data else dataclasses.replace(cfg, data=data)
+
+
 def check_data(cfg: Config) -> int:
     """Fail on unusable data before any worker starts or any run is opened."""
     split = build_datasets(cfg.data)
@@ -39,6 +46,7 @@ def check_data(cfg: Config) -> int:
 
 
 def train(cfg: Config, *, address: str | None = None, log_model: bool = True) -> TrainOutcome:
+    cfg = resolve_paths(cfg)
     check_data(cfg)
     uri = mt.tracking_uri(cfg)
     run_id, resumed = mt.open_run(cfg, uri)

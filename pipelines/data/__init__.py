@@ -7,7 +7,9 @@ equal within the evaluation set. ``build_datasets`` is the one entry point the t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -126,6 +128,24 @@ DATASETS = {
 }
 
 
+# Data sets read from a folder (``data.root``, default ``./data/<name>``); digits is in memory.
+FILE_DATASETS = ("folder", "emoji", "cub", "cars", "sop", "inshop")
+
+
+def with_absolute_root(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with a relative ``data.root`` (or the default ``./data/<name>``) made absolute.
+
+    Ray Train workers run in their own folders, not where ``proxydml`` was started, so a
+    relative root must be resolved once on the driver before the config is shipped. The
+    resolved path is part of the run hash: the same command from the same folder gives the
+    same run name.
+    """
+    if cfg.name not in FILE_DATASETS or "://" in cfg.root or (cfg.name == "folder" and not cfg.root):
+        return cfg  # a folder data set without a root fails later with its own message
+    root = Path(cfg.root or f"./data/{cfg.name}")
+    return cfg if root.is_absolute() else dataclasses.replace(cfg, root=str(root.resolve()))
+
+
 def check_training_classes(split: DataSplit, cfg: DataConfig) -> list[int]:
     """Training classes with a single image: refused under class-balanced sampling.
 
@@ -173,6 +193,7 @@ def build_batch_sampler(
 
 __all__ = [
     "DATASETS",
+    "FILE_DATASETS",
     "BatchSampler",
     "ClassBalancedBatchSampler",
     "DataError",

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from torch.utils.data import DataLoader
 
 from pipelines.config import load_config
@@ -147,3 +148,23 @@ def test_frozen_lite0_baseline_beats_raw_pixels(tiny):
     frozen = retrieval_metrics(feats, labels, recall_ks=(1,), exclude_same_group=groups)["recall_at_1"]
     raw = retrieval_metrics(pixels, labels, recall_ks=(1,), exclude_same_group=groups)["recall_at_1"]
     assert frozen > raw + 0.1, (frozen, raw)  # measured: 0.68 vs 0.43
+
+
+@pytest.mark.ray
+def test_relative_data_root_reaches_ray_workers(tiny, ray_cluster, local_mlflow, tmp_path, monkeypatch):
+    """`proxydml train data.root=tiny` from the data's parent folder: Ray workers run in their
+    own folders, so the driver resolves the root before shipping the config."""
+    from services import training
+
+    monkeypatch.chdir(tiny.parent)
+    cfg = load_config("emoji_proxy_anchor", [
+        "data.root=tiny", "data.image_size=32", "data.eval_resize=32", "data.batch_size=40",
+        "data.samples_per_class=5", "data.loader_workers=0", "train.epochs=1", "train.max_steps_per_epoch=2",
+        "train.recall_ks=[1]", "scaling.num_workers=1", f"tracking.tracking_uri={local_mlflow}",
+        f"tracking.storage_path={tmp_path / 'runs'}",
+    ])
+    out = training.train(cfg, log_model=False)
+    assert 0.0 < out.metrics["recall_at_1"] <= 1.0
+    stored = yaml.safe_load((Path(out.checkpoint_path) / "config.yaml").read_text())
+    assert stored["data"]["root"] == str(tiny.resolve())
+    assert Path(out.checkpoint_path).parent.name == training.resolve_paths(cfg).run_name()
