@@ -128,8 +128,13 @@ DATASETS = {
 }
 
 
-# Data sets read from a folder (``data.root``, default ``./data/<name>``); digits is in memory.
-FILE_DATASETS = ("folder", "emoji", "cub", "cars", "sop", "inshop")
+# Data sets read from a folder (``data.root``, default ``./data/<name>``): all but the in-memory digits.
+FILE_DATASETS = tuple(name for name in DATASETS if name != "digits")
+
+
+def default_root(cfg: DataConfig) -> Path:
+    """The folder a file data set is read from: ``data.root``, else ``./data/<data.name>``."""
+    return Path(cfg.root or f"./data/{cfg.name}")
 
 
 def with_absolute_root(cfg: DataConfig) -> DataConfig:
@@ -142,7 +147,7 @@ def with_absolute_root(cfg: DataConfig) -> DataConfig:
     """
     if cfg.name not in FILE_DATASETS or "://" in cfg.root or (cfg.name == "folder" and not cfg.root):
         return cfg  # a folder data set without a root fails later with its own message
-    root = Path(cfg.root or f"./data/{cfg.name}")
+    root = default_root(cfg)
     return cfg if root.is_absolute() else dataclasses.replace(cfg, root=str(root.resolve()))
 
 
@@ -194,6 +199,7 @@ def build_batch_sampler(
 __all__ = [
     "DATASETS",
     "FILE_DATASETS",
+    "default_root",
     "BatchSampler",
     "ClassBalancedBatchSampler",
     "DataError",

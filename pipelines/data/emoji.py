@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.config import DataConfig
-from pipelines.data import DataError, DataSplit
+from pipelines.data import DataError, DataSplit, default_root
 from pipelines.data.transforms import ImageListDataset, eval_transform, train_transform
 
-DEFAULT_ROOT = "./data/emoji"
+DEFAULT_ROOT = str(default_root(DataConfig(name="emoji")))  # where `proxydml data build emoji` writes
 
 # name -> (version, npm "integrity" (sha512, base64), licence)
 PACKAGES: dict[str, tuple[str, str, str]] = {
@@ -621,7 +621,7 @@ def emoji_split(cfg: DataConfig) -> DataSplit:
     ``test_groups`` holds each test image's design family (OpenMoji colour and black are one
     family) for the cross-family report. ``data.image_size`` 0 = the built size.
     """
-    root = Path(cfg.root or DEFAULT_ROOT)
+    root = default_root(cfg)
     rows = read_manifest(root)
     bad = sorted({r["split"] for r in rows} - {"train", "test"})
     if bad:

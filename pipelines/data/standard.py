@@ -22,17 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.config import DataConfig
-from pipelines.data import DataError, DataSplit
+from pipelines.data import DataError, DataSplit, default_root
 from pipelines.data.transforms import ImageListDataset, eval_transform, train_transform
 
 DEFAULT_SIZE = 224
 
 
-def _root(cfg: DataConfig, name: str, marker: str, subfolders: tuple[str, ...] = ()) -> Path:
-    """The dataset folder: ``data.root`` or ``./data/<name>``, or one of its ``subfolders``."""
-    root = Path(cfg.root or f"./data/{name}")
+def _root(cfg: DataConfig, marker: str, subfolders: tuple[str, ...] = ()) -> Path:
+    """The dataset folder: ``data.root`` or ``./data/<data.name>``, or one of its ``subfolders``."""
+    root = default_root(cfg)
     if not root.is_dir():
-        raise DataError(f"data.root for {name}: {root} does not exist or is not a folder")
+        raise DataError(f"data.root for {cfg.name}: {root} does not exist or is not a folder")
     for candidate in (root, *(root / s for s in subfolders)):
         if (candidate / marker).exists():
             return candidate
@@ -87,7 +87,7 @@ def _half_split(items: list[tuple[Path, int]]) -> tuple[list, list]:
 
 def cub(cfg: DataConfig) -> DataSplit:
     """CUB-200-2011: ``images.txt`` (id path), ``image_class_labels.txt`` (id class)."""
-    root = _root(cfg, "cub", "images.txt", ("CUB_200_2011",))
+    root = _root(cfg, "images.txt", ("CUB_200_2011",))
     paths = {i: p for i, p in _table(root / "images.txt", 2)}
     labels = {i: int(c) for i, c in _table(root / "image_class_labels.txt", 2)}
     missing = sorted(set(paths) - set(labels))
@@ -104,7 +104,7 @@ def cars(cfg: DataConfig) -> DataSplit:
     """Cars196: ``cars_annos.mat`` (``annotations.relative_im_path``, ``.class``), ``car_ims/``."""
     import scipy.io
 
-    root = _root(cfg, "cars", "cars_annos.mat", ("cars196", "stanford_cars"))
+    root = _root(cfg, "cars_annos.mat", ("cars196", "stanford_cars"))
     mat_path = root / "cars_annos.mat"
     if not mat_path.is_file():
         raise DataError(f"split file {mat_path} is missing")
@@ -123,7 +123,7 @@ def cars(cfg: DataConfig) -> DataSplit:
 
 def sop(cfg: DataConfig) -> DataSplit:
     """Stanford Online Products: ``Ebay_{train,test}.txt`` (image_id class_id super_class_id path)."""
-    root = _root(cfg, "sop", "Ebay_train.txt", ("Stanford_Online_Products",))
+    root = _root(cfg, "Ebay_train.txt", ("Stanford_Online_Products",))
     parts = []
     for file in ("Ebay_train.txt", "Ebay_test.txt"):
         rows = _table(root / file, 4, skip=1)  # first line is the header
@@ -138,7 +138,7 @@ def inshop(cfg: DataConfig) -> DataSplit:
     ``status`` train -> training; query/gallery -> the test set, with ``query_indices`` and
     ``gallery_indices`` so evaluation searches queries in the gallery only.
     """
-    root = _root(cfg, "inshop", "list_eval_partition.txt", ("In-shop Clothes Retrieval Benchmark",))
+    root = _root(cfg, "list_eval_partition.txt", ("In-shop Clothes Retrieval Benchmark",))
     partition = root / "list_eval_partition.txt"
     rows = _table(partition, 3, skip=2)  # line 1: number of images, line 2: header
     bad = sorted({r[2] for r in rows} - {"train", "query", "gallery"})

@@ -13,7 +13,15 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from pipelines.config import ConfigError, DataConfig
-from pipelines.data import DATASETS, DataError, build_datasets, dataset_labels
+from pipelines.data import (
+    DATASETS,
+    FILE_DATASETS,
+    DataError,
+    build_datasets,
+    dataset_labels,
+    default_root,
+    with_absolute_root,
+)
 from pipelines.data import emoji as emoji_mod
 from pipelines.data.transforms import eval_transform, train_transform
 
@@ -257,6 +265,23 @@ def test_class_with_one_image_is_refused_or_counted(tmp_path, capsys):
 def test_unknown_dataset_name():
     with pytest.raises(ConfigError, match="data.name: unknown dataset 'imagenet'"):
         build_datasets(DataConfig(name="imagenet"))
+
+
+def test_every_file_dataset_defaults_to_data_name_and_is_made_absolute(tmp_path, monkeypatch):
+    # One rule for every loader (and `data build emoji`'s default --out): ./data/<data.name>,
+    # resolved against the folder proxydml runs in before the config reaches Ray workers.
+    monkeypatch.chdir(tmp_path)
+    assert set(FILE_DATASETS) == set(DATASETS) - {"digits"}
+    assert emoji_mod.DEFAULT_ROOT == "data/emoji"
+    for name in FILE_DATASETS:
+        if name == "folder":  # needs an explicit root; its loader says so
+            continue
+        assert default_root(DataConfig(name=name)) == Path("data") / name
+        assert with_absolute_root(DataConfig(name=name)).root == str(tmp_path / "data" / name)
+        with pytest.raises(DataError, match=f"{tmp_path / 'data' / name}"):
+            build_datasets(with_absolute_root(DataConfig(name=name)))
+    assert with_absolute_root(DataConfig(name="cub", root="s3://bucket/cub")).root == "s3://bucket/cub"
+    assert with_absolute_root(DataConfig(name="digits")).root == ""
 
 
 def test_unreadable_or_missing_folder(tmp_path):
