@@ -537,7 +537,7 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
 
     from services import training
 
-    training.check_data(cfg)  # data problems fail here, before the lock and any worker
+    training.preflight(cfg)  # data and model problems fail here, before the lock and any worker
     log(f"config from {origin} (hash {cfg_hash}); run {key}; tracking {uri}")
 
     lock = registry.TrackingLock(client, req.model, ttl_s=req.lock_ttl_s)

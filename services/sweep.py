@@ -358,10 +358,10 @@ def run_sweep(
 
     from services import mlflow_tracking as mt
     from services import runtime
-    from services.training import check_data, resolve_paths
+    from services.training import preflight, resolve_paths
 
     base = resolve_paths(base)
-    check_data(base)
+    preflight(base)
     space_file = resolve_space_file(space)
     # Schema and domain errors first, before a cluster is even started.
     load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,

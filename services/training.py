@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipelines.config import Config
 from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels, with_absolute_root
+from pipelines.models import EmbeddingModel
 from services import mlflow_tracking as mt
 from services import runtime
 
@@ -34,20 +35,28 @@ def resolve_paths(cfg: Config) -> Config:
     return cfg if data is cfg.data else dataclasses.replace(cfg, data=data)
 
 
-def check_data(cfg: Config) -> int:
-    """Fail on unusable data before any worker starts or any run is opened."""
+def preflight(cfg: Config) -> int:
+    """Fail on unusable data or model settings before any worker starts or any run is opened.
+
+    Builds the data set, the rank-0 batch sampler and the model once on the driver, so a bad
+    ``data.*`` value, ``model.frozen_stages`` beyond the backbone's stages or a ``model.weights``
+    file of another architecture is reported here, not from inside a Ray worker. Returns the
+    number of training classes.
+    """
     split = build_datasets(cfg.data)
     try:  # the sampler refuses batches the training classes cannot fill
         build_batch_sampler(dataset_labels(split.train), cfg.data, rank=0, world_size=cfg.scaling.num_workers,
                             seed=cfg.train.seed)
     except ValueError as exc:
         raise DataError(f"data.batch_size/data.samples_per_class: {exc}") from exc
+    # A CPU build (under a second even for ResNet-50); the workers build their own copy.
+    EmbeddingModel(cfg.model, in_channels=split.train[0][0].shape[0])
     return split.num_classes
 
 
 def train(cfg: Config, *, address: str | None = None, log_model: bool = True) -> TrainOutcome:
     cfg = resolve_paths(cfg)
-    check_data(cfg)
+    preflight(cfg)
     uri = mt.tracking_uri(cfg)
     run_id, resumed = mt.open_run(cfg, uri)
     status = "FAILED"

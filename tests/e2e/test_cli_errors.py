@@ -38,6 +38,8 @@ def _env():
         (["train", "--config", "missing_recipe"], "config file 'missing_recipe' not found"),
         (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint folder /nonexistent/ckpt does not exist"),
         (["config", "show", "digits", "model.pooling=median"], "model.pooling must be one of"),
+        # Only the built model knows its stage count: the driver builds it before any run opens.
+        (["train", "model.frozen_stages=99"], "model.frozen_stages=99, but backbone convnet has 3 stages"),
     ],
 )
 def test_bad_input_gives_one_clear_error(tmp_path, args, message):
@@ -61,6 +63,18 @@ def test_dataset_with_one_class_is_refused_before_any_run(tmp_path):
     assert out.returncode == 2
     assert "training split has 1 class(es); need >= 2" in out.stderr
     assert not (tmp_path / "mlruns").exists()
+
+
+def test_weights_of_another_architecture_are_refused_before_any_run(tmp_path):
+    import torch
+
+    weights = tmp_path / "lite0.pt"
+    torch.save({"_conv_stem.weight": torch.zeros(32, 3, 3, 3)}, weights)
+    out = proxydml("train", "model.backbone=resnet50", f"model.weights={weights}", "data.image_size=32",
+                   cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"model.weights: {weights} are not resnet50 weights" in out.stderr
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "runs").exists()
 
 
 def test_config_show_prints_the_resolved_recipe(tmp_path):
