@@ -1,5 +1,6 @@
 """Retrieval evaluation for deep metric learning embeddings.
 
+``embed`` turns a dataset into embeddings (the one place that loops over one for inference).
 Implements the metrics of ``shared/LOSSES.md`` ("Retrieval metrics"): Recall@K, MAP@R,
 R-Precision, Precision@1 and (optionally) NMI, with cosine kNN over L2-normalised
 embeddings. The nearest-neighbour search runs in faiss (exact ``IndexFlatIP``, float32, on
@@ -10,14 +11,15 @@ Only torch, numpy and faiss are imported, so this module can run inside any work
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import faiss
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["format_metrics", "retrieval_metrics"]
+__all__ = ["embed", "format_metrics", "retrieval_metrics"]
 
 ArrayLike = torch.Tensor | np.ndarray
 
@@ -29,6 +31,38 @@ _MAX_CHUNK_ELEMENTS = 1 << 22
 _GPU_MAX_K = 2048
 _KMEANS_SEED = 1234
 _KMEANS_NITER = 20
+
+
+@torch.no_grad()
+def embed(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    dataset: Dataset,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+    workers: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embed every ``(image, label, index)`` item of ``dataset`` in order, in eval mode.
+
+    Returns (N, d) float32 embeddings and (N,) long labels on the CPU. ``model`` may be an
+    ``nn.Module`` (put in eval mode, then back in its previous mode) or any callable, e.g. an
+    exported MLflow pt2 program, which has no train/eval switch.
+    """
+    was_training = bool(getattr(model, "training", False))
+    try:
+        model.eval()  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError, RuntimeError):
+        was_training = False  # exported programs refuse .eval()/.train(): already in inference form
+    embs, labels = [], []
+    try:
+        for images, y, *_ in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
+            embs.append(model(images.to(device)).float().cpu())
+            labels.append(torch.as_tensor(y).long())
+    finally:
+        if was_training:
+            model.train()  # type: ignore[attr-defined]
+    if not embs:
+        raise ValueError("embed: the dataset is empty")
+    return torch.cat(embs), torch.cat(labels)
 
 
 def retrieval_metrics(

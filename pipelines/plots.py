@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
+from pipelines.evaluate import embed
 from pipelines.tracking import NullTracker
 
 if TYPE_CHECKING:
@@ -438,27 +439,6 @@ def plot_isa_state(states: Sequence[Mapping[str, Any]], path: str | Path, max_cl
 # ---------------------------------------------------------------- the dashboard -------------
 
 
-@torch.no_grad()
-def embed_dataset(
-    model: nn.Module, dataset: Dataset, rows: Sequence[int], batch_size: int = 256,
-    device: torch.device | str = "cpu",
-) -> tuple[Tensor, Tensor]:
-    """Embed ``dataset[i]`` for ``i`` in ``rows`` in eval mode -> (N, d) float32, (N,) long.
-
-    Items are ``(image, label, index)`` as every ProxyDML dataset yields them.
-    """
-    was_training = model.training
-    model.eval()
-    embs, labels = [], []
-    try:
-        for images, y, *_ in DataLoader(Subset(dataset, list(rows)), batch_size=batch_size):
-            embs.append(model(images.to(device)).float().cpu())
-            labels.append(torch.as_tensor(y).long())
-    finally:
-        model.train(was_training)
-    return torch.cat(embs), torch.cat(labels)
-
-
 def dashboard_rows(labels: Sequence[int], max_items: int) -> list[int]:
     """Dataset rows for the plots: whole classes (evenly spaced) until ``max_items``.
 
@@ -491,7 +471,7 @@ def _embed_for_plots(
         targets = getattr(dataset, "targets", None)
         all_labels = list(targets) if targets is not None else [int(dataset[i][1]) for i in range(len(dataset))]  # type: ignore[arg-type]
         rows = dashboard_rows(all_labels, max_items)
-        emb, labels = embed_dataset(model, dataset, rows, batch_size, device)
+        emb, labels = embed(model, Subset(dataset, rows), batch_size, device)
     except Exception:  # noqa: BLE001 - same policy as the plots themselves
         log.warning("dashboard: embedding the evaluation set failed", exc_info=True)
         return None

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Subset
 
 from pipelines import distributed as D
 from pipelines.config import Config
 from pipelines.data import DataSplit, build_batch_sampler, build_datasets, dataset_labels
-from pipelines.evaluate import retrieval_metrics
+from pipelines.evaluate import embed, retrieval_metrics
 from pipelines.models import EmbeddingModel
 from pipelines.plots import record_isa_state, write_dashboard
 from pipelines.tracking import NullTracker, Reporter, Tracker
@@ -89,22 +89,6 @@ def set_loss_epoch(loss_fn: nn.Module, epoch: int, cfg: Config) -> None:
             m.set_epoch(epoch, memory_start_epoch=cfg.loss.memory_start_epoch)
 
 
-@torch.no_grad()
-def embed(
-    model: nn.Module, dataset: Dataset, batch_size: int, dev: torch.device, workers: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Embed a dataset in eval mode -> (N, d) float32 embeddings, (N,) labels, (N,) indices."""
-    was_training = model.training
-    model.eval()
-    embs, labels, indices = [], [], []
-    for images, y, idx in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
-        embs.append(model(images.to(dev)).float().cpu())
-        labels.append(y)
-        indices.append(idx)
-    model.train(was_training)
-    return torch.cat(embs), torch.cat(labels), torch.cat(indices)
-
-
 def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device) -> dict[str, float] | None:
     """Each rank embeds every W-th evaluation item; rank 0 computes the metrics.
 
@@ -112,8 +96,8 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device)
     item queries all the others.
     """
     positions = list(range(D.rank(), len(split.test), D.world_size()))
-    emb, labels, _ = embed(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size, dev,
-                           cfg.data.loader_workers)
+    emb, labels = embed(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size, dev,
+                        cfg.data.loader_workers)
     order = torch.tensor(positions, dtype=torch.long)
     emb, labels, order = (D.gather_rows(t.to(dev)).cpu() for t in (emb, labels, order))
     if D.rank() != 0:

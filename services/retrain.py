@@ -280,22 +280,6 @@ def build_config(base: dict[str, Any], overrides: list[str], snapshot: Snapshot,
 # ================================================================ evaluation ==================
 
 
-def _embed(model: Any, dataset: Any, batch_size: int) -> tuple[Any, Any]:
-    import torch
-    from torch.utils.data import DataLoader
-
-    try:  # an mlflow pt2 (exported) module refuses .eval(); a checkpoint model needs it
-        model.eval()
-    except (NotImplementedError, RuntimeError):
-        pass
-    embs, labels = [], []
-    with torch.no_grad():
-        for images, y, _ in DataLoader(dataset, batch_size=batch_size):
-            embs.append(model(images).float())
-            labels.append(y)
-    return torch.cat(embs), torch.cat(labels)
-
-
 def snapshot_overrides(snapshot: Snapshot) -> list[str]:
     """The only config change evaluation makes: read the snapshot as a folder dataset."""
     return ["data.name=folder", f"data.root={snapshot.root}"]
@@ -303,9 +287,9 @@ def snapshot_overrides(snapshot: Snapshot) -> list[str]:
 
 def evaluate_split(cfg: Config, model: Any, split: Any) -> dict[str, float]:
     """Retrieval metrics of ``model`` on ``split.test`` (every item queries all the others)."""
-    from pipelines.evaluate import retrieval_metrics
+    from pipelines.evaluate import embed, retrieval_metrics
 
-    emb, labels = _embed(model, split.test, cfg.data.eval_batch_size)
+    emb, labels = embed(model, split.test, cfg.data.eval_batch_size)
     return retrieval_metrics(emb, labels, recall_ks=tuple(cfg.train.recall_ks), nmi=cfg.train.nmi)
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -33,20 +33,9 @@ sys.path.insert(0, str(ROOT))
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data import DataSplit, build_datasets  # noqa: E402
 from pipelines.data.emoji import ensure_built  # noqa: E402
-from pipelines.evaluate import retrieval_metrics  # noqa: E402
+from pipelines.evaluate import embed, retrieval_metrics  # noqa: E402
 
 LOSSES = ("norm_softmax", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "proxy_isa")
-
-
-@torch.no_grad()
-def embed(model: torch.nn.Module, dataset, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, d) float embeddings and (N,) labels in dataset order."""
-    model.eval()
-    embs, labels = [], []
-    for images, y, _ in DataLoader(dataset, batch_size=batch_size, num_workers=1):
-        embs.append(model(images).float())
-        labels.append(y)
-    return torch.cat(embs), torch.cat(labels)
 
 
 def report(emb: torch.Tensor, labels: torch.Tensor, split: DataSplit) -> dict[str, float]:
@@ -74,7 +63,7 @@ def google_to_twitter(model: torch.nn.Module, split: DataSplit) -> dict[str, flo
     q, g = _design_rows(split, "google"), _design_rows(split, "twitter")
     if not (len(q) and len(g)):
         return {}
-    emb, labels = embed(model, Subset(split.test, torch.cat([q, g]).tolist()))
+    emb, labels = embed(model, Subset(split.test, torch.cat([q, g]).tolist()), workers=1)
     n = len(q)
     return {"G->T R@1": _query_gallery_r1(emb[:n], labels[:n], emb[n:], labels[n:])}
 
@@ -84,8 +73,8 @@ def baselines(split: DataSplit) -> dict[str, dict[str, float]]:
 
     lite0 = torch.nn.Sequential(efficientnet_lite0_imagenet(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
     return {
-        "raw pixels": report(*embed(torch.nn.Flatten(), split.test), split),
-        "frozen Lite0 (ImageNet)": report(*embed(lite0, split.test), split),
+        "raw pixels": report(*embed(torch.nn.Flatten(), split.test, workers=1), split),
+        "frozen Lite0 (ImageNet)": report(*embed(lite0, split.test, workers=1), split),
     }
 
 

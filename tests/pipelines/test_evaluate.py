@@ -397,3 +397,39 @@ def test_bad_input_raises(kwargs: dict, match: str) -> None:
     emb, labels = kwargs.pop("embeddings"), kwargs.pop("labels")
     with pytest.raises(ValueError, match=match):
         retrieval_metrics(emb, labels, **kwargs)
+
+
+# -- embed: the one inference loop (train's evaluation, the dashboard, retrain, the benchmarks) --
+def test_embed_keeps_dataset_order_and_restores_the_mode():
+    from torch import nn
+    from torch.utils.data import Subset
+
+    from pipelines.data import TensorImageDataset
+    from pipelines.evaluate import embed
+
+    images = torch.arange(10 * 3 * 2 * 2, dtype=torch.float32).reshape(10, 3, 2, 2)
+    data = TensorImageDataset(images, torch.arange(10) % 3)
+    model = nn.Sequential(nn.Flatten(), nn.Dropout(0.9))  # dropout: only eval mode is deterministic
+    model.train()
+    emb, labels = embed(model, Subset(data, [7, 2, 5]), batch_size=2)
+    assert torch.equal(emb, images[[7, 2, 5]].flatten(1)) and labels.tolist() == [1, 2, 2]
+    assert model.training and emb.dtype == torch.float32 and not emb.requires_grad
+    model.eval()
+    embed(model, data)
+    assert not model.training
+
+    class Exported:  # an MLflow pt2 program: callable, refuses .eval()/.train()
+        training = True
+
+        def eval(self):
+            raise NotImplementedError("exported programs have no eval()")
+
+        def train(self, mode: bool = True):
+            raise NotImplementedError("exported programs have no train()")
+
+        def __call__(self, x):
+            return x.flatten(1)[:, :2]
+
+    assert embed(Exported(), data)[0].shape == (10, 2)
+    with pytest.raises(ValueError, match="dataset is empty"):
+        embed(model, Subset(data, []))
