@@ -87,12 +87,13 @@ def _digits(cfg: DataConfig) -> DataSplit:
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
-    if cfg.image_size and cfg.image_size != 8:
-        images = torch.nn.functional.interpolate(images, size=cfg.image_size, mode="bilinear")
+    def at(size: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(x, size=size, mode="bilinear") if size and size != 8 else x
+
     seen = labels < 5
     return DataSplit(
-        train=TensorImageDataset(images[seen], labels[seen], "digits/train"),
-        test=TensorImageDataset(images[~seen], labels[~seen], "digits/test"),
+        train=TensorImageDataset(at(cfg.image_size, images[seen]), labels[seen], "digits/train"),
+        test=TensorImageDataset(at(cfg.eval_size or cfg.image_size, images[~seen]), labels[~seen], "digits/test"),
         num_classes=5,
     )
 

@@ -2,7 +2,8 @@
 
 Training: ``RandomResizedCrop(image_size, scale=(crop_scale_min, 1))`` + an optional horizontal
 flip (``data.random_flip``; emoji recipes turn it off). Evaluation: resize the short side to
-``eval_resize`` (default ``8/7 x image_size``: 256 for 224) + centre crop ``image_size``. Both end
+``eval_resize`` (default ``8/7 x`` the crop: 256 for 224) + centre crop ``eval_size`` (default
+``image_size``). Both end
 in ``ToTensor`` (values in ``[0, 1]``): normalisation belongs to the backbone. Decoding happens
 in ``__getitem__``, i.e. in the DataLoader workers (``data.loader_workers``).
 """
@@ -33,7 +34,8 @@ def train_transform(cfg: DataConfig, size: int) -> Transform:
 
 
 def eval_transform(cfg: DataConfig, size: int) -> Transform:
-    """PIL image -> (3, size, size) float in [0, 1]: resize short side, centre crop."""
+    """PIL image -> (3, s, s) float in [0, 1], s = ``data.eval_size`` or ``size``: resize, centre crop."""
+    size = cfg.eval_size or size
     if not size:
         return T.Compose([T.ToTensor()])
     resize = cfg.eval_resize or round(size * 8 / 7)
