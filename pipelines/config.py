@@ -54,12 +54,13 @@ class DataConfig:
         True,
     )
     crop_scale_min: float = doc("training: RandomResizedCrop smallest area fraction (1.0 = no crop)", 0.08)
-    eval_size: int = doc(
-        "evaluation centre-crop side (0 = image_size); a little above image_size undoes RandomResizedCrop's "
-        "zoom (objects look larger in training crops: FixRes, Touvron et al. 2019)", 0
-    )
     eval_resize: int = doc(
-        "evaluation: resize the short side to this, then centre-crop eval_size (0 = 8/7 x eval_size)", 0
+        "evaluation: resize the short side to this, then centre-crop image_size (0 = 8/7 x image_size)", 0
+    )
+    eval_scale: float = doc(
+        "evaluation images at this multiple of the training size (both eval_resize and the crop); "
+        "a little above 1 undoes RandomResizedCrop's zoom, as objects look larger in training crops "
+        "(FixRes, Touvron et al. 2019)", 1.0
     )
 
     def __post_init__(self) -> None:
@@ -67,10 +68,12 @@ class DataConfig:
         _non_negative("data.eval_resize", self.eval_resize)
         if not 0 < self.crop_scale_min <= 1:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.crop_scale_min}")
-        _non_negative("data.eval_size", self.eval_size)
-        crop, crop_key = (self.eval_size, "eval_size") if self.eval_size else (self.image_size, "image_size")
-        if self.eval_resize and crop and self.eval_resize < crop:
-            raise ConfigError(f"data.eval_resize ({self.eval_resize}) must be >= data.{crop_key} ({crop})")
+        if not 0 < self.eval_scale <= 4:
+            raise ConfigError(f"data.eval_scale must be in (0, 4], got {self.eval_scale}")
+        if self.eval_resize and self.image_size and self.eval_resize < self.image_size:
+            raise ConfigError(
+                f"data.eval_resize ({self.eval_resize}) must be >= data.image_size ({self.image_size})"
+            )
         _positive("data.eval_batch_size", self.eval_batch_size)
         _non_negative("data.samples_per_class", self.samples_per_class)
         _non_negative("data.image_size", self.image_size)

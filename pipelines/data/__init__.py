@@ -84,6 +84,8 @@ def _digits(cfg: DataConfig) -> DataSplit:
     """scikit-learn's 8x8 handwritten digits: train on 0-4, evaluate on the unseen 5-9."""
     from sklearn.datasets import load_digits
 
+    from pipelines.data.transforms import eval_size
+
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
@@ -93,7 +95,7 @@ def _digits(cfg: DataConfig) -> DataSplit:
     seen = labels < 5
     return DataSplit(
         train=TensorImageDataset(at(cfg.image_size, images[seen]), labels[seen], "digits/train"),
-        test=TensorImageDataset(at(cfg.eval_size or cfg.image_size, images[~seen]), labels[~seen], "digits/test"),
+        test=TensorImageDataset(at(eval_size(cfg, cfg.image_size or 8), images[~seen]), labels[~seen], "digits/test"),
         num_classes=5,
     )
 

@@ -2,8 +2,8 @@
 
 Training: ``RandomResizedCrop(image_size, scale=(crop_scale_min, 1))`` + an optional horizontal
 flip (``data.random_flip``; emoji recipes turn it off). Evaluation: resize the short side to
-``eval_resize`` (default ``8/7 x`` the crop: 256 for 224) + centre crop ``eval_size`` (default
-``image_size``). Both end
+``eval_resize`` (default ``8/7 x image_size``: 256 for 224) + centre crop ``image_size``, both
+times ``eval_scale`` (default 1). Both end
 in ``ToTensor`` (values in ``[0, 1]``): normalisation belongs to the backbone. Decoding happens
 in ``__getitem__``, i.e. in the DataLoader workers (``data.loader_workers``).
 """
@@ -33,13 +33,18 @@ def train_transform(cfg: DataConfig, size: int) -> Transform:
     return T.Compose([*steps, T.ToTensor()])
 
 
+def eval_size(cfg: DataConfig, size: int) -> int:
+    """The evaluation crop for training crop ``size``: ``size x data.eval_scale`` (0 stays native)."""
+    return round(size * cfg.eval_scale)
+
+
 def eval_transform(cfg: DataConfig, size: int) -> Transform:
-    """PIL image -> (3, s, s) float in [0, 1], s = ``data.eval_size`` or ``size``: resize, centre crop."""
-    size = cfg.eval_size or size
+    """PIL image -> (3, s, s) float in [0, 1], s = ``eval_size(cfg, size)``: resize short side, centre crop."""
     if not size:
         return T.Compose([T.ToTensor()])
-    resize = cfg.eval_resize or round(size * 8 / 7)
-    return T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(size), T.ToTensor()])
+    crop = eval_size(cfg, size)
+    resize = round(cfg.eval_resize * cfg.eval_scale) if cfg.eval_resize else round(crop * 8 / 7)
+    return T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(crop), T.ToTensor()])
 
 
 class ImageListDataset(Dataset):

@@ -197,23 +197,25 @@ def test_crop_size_is_configurable(size):
     assert eval_transform(cfg, size)(image).shape == (3, size, size)
 
 
-def test_eval_size_crops_evaluation_only(tmp_path):
-    # FixRes: train crops at image_size, evaluate at a larger eval_size; digits and files alike.
+def test_eval_scale_enlarges_evaluation_only(tmp_path):
+    # FixRes: train crops at image_size, evaluate at eval_scale x that; digits and files alike.
     image = Image.fromarray(RNG.integers(0, 255, (300, 400, 3), dtype=np.uint8))
-    cfg = DataConfig(image_size=128, eval_size=160)
+    cfg = DataConfig(image_size=128, eval_resize=128, eval_scale=1.25)
     assert train_transform(cfg, 128)(image).shape == (3, 128, 128)
-    assert eval_transform(cfg, 128)(image).shape == (3, 160, 160)
-    # default resize is 8/7 of the crop: the 160 crop is the centre of a 183 px short side
-    assert torch.equal(eval_transform(cfg, 128)(image), eval_transform(DataConfig(eval_resize=183), 160)(image))
+    # eval_resize scales too: a recipe's "resize to 128, crop 128" (no crop) stays a no-crop at 160
+    assert torch.equal(eval_transform(cfg, 128)(image), eval_transform(DataConfig(eval_resize=160), 160)(image))
+    # without eval_resize the resize is 8/7 of the scaled crop: a 183 px short side for a 160 crop
+    assert torch.equal(eval_transform(DataConfig(eval_scale=1.25), 128)(image),
+                       eval_transform(DataConfig(eval_resize=183), 160)(image))
     make_cub(tmp_path)
-    split = build_datasets(_cfg("cub", tmp_path, image_size=16, eval_size=24))
+    split = build_datasets(_cfg("cub", tmp_path, image_size=16, eval_scale=1.5))
     assert split.train[0][0].shape == (3, 16, 16) and split.test[0][0].shape == (3, 24, 24)
-    digits = build_datasets(DataConfig(name="digits", image_size=16, eval_size=20))
+    digits = build_datasets(DataConfig(name="digits", image_size=16, eval_scale=1.25))
     assert digits.train[0][0].shape == (1, 16, 16) and digits.test[0][0].shape == (1, 20, 20)
-    with pytest.raises(ConfigError, match=r"data.eval_resize \(150\) must be >= data.eval_size \(160\)"):
-        DataConfig(image_size=128, eval_size=160, eval_resize=150)
-    with pytest.raises(ConfigError, match="data.eval_size must be >= 0"):
-        DataConfig(eval_size=-1)
+    assert build_datasets(DataConfig(name="digits", eval_scale=2.0)).test[0][0].shape == (1, 16, 16)
+    for bad in (0.0, -1.0, 5.0):
+        with pytest.raises(ConfigError, match="data.eval_scale must be in"):
+            DataConfig(eval_scale=bad)
 
 
 def test_flip_switch_and_deterministic_eval():
