@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from torch.utils.data import DataLoader
 
 from pipelines.config import load_config
 from pipelines.data import build_datasets
 from pipelines.data.emoji import build_emoji
-from pipelines.evaluate import retrieval_metrics
+from pipelines.evaluate import embed, retrieval_metrics
 from pipelines.tracking import LocalReporter
 
 # npm is part of the machines we run on: without it this test fails (a skip would hide that
@@ -44,17 +43,6 @@ def tiny(tmp_path_factory) -> Path:
                           timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     return out
-
-
-def _embed(model: torch.nn.Module, dataset) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, d) embeddings and (N,) labels of a dataset, in dataset order."""
-    embs, labels = [], []
-    model.eval()
-    with torch.no_grad():
-        for images, y, _ in DataLoader(dataset, batch_size=64):
-            embs.append(model(images))
-            labels.append(y)
-    return torch.cat(embs), torch.cat(labels)
 
 
 def test_tiny_build_is_complete_counted_and_idempotent(tiny):
@@ -125,7 +113,7 @@ def test_tiny_emoji_trains_and_retrieves_unseen_classes(tiny, tmp_path):
     # art) is excluded from its gallery, so only other vendors' drawings count.
     ckpt = sorted((tmp_path / "run").glob("checkpoint_*"))[-1]
     _, model, split = load_model(ckpt)
-    emb, labels = _embed(model, split.test)
+    emb, labels = embed(model, split.test)
     same = retrieval_metrics(emb, labels, recall_ks=(1,))
     assert same["recall_at_1"] == pytest.approx(metrics["recall_at_1"], abs=1e-6)
     cross = retrieval_metrics(emb, labels, recall_ks=(1,), exclude_same_group=(split.test_groups, None))
@@ -142,8 +130,8 @@ def test_frozen_lite0_baseline_beats_raw_pixels(tiny):
     split = build_datasets(load_config("emoji_proxy_anchor", [f"data.root={tiny}", "data.image_size=64",
                                                                "data.eval_resize=64"]).data)
     net = efficientnet_lite0_imagenet()
-    feats, labels = _embed(torch.nn.Sequential(net, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), split.test)
-    pixels, _ = _embed(torch.nn.Flatten(), split.test)
+    feats, labels = embed(torch.nn.Sequential(net, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), split.test)
+    pixels, _ = embed(torch.nn.Flatten(), split.test)
     groups = (split.test_groups, None)
     frozen = retrieval_metrics(feats, labels, recall_ks=(1,), exclude_same_group=groups)["recall_at_1"]
     raw = retrieval_metrics(pixels, labels, recall_ks=(1,), exclude_same_group=groups)["recall_at_1"]
