@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(ROOT / "data" / "emoji"), help="built emoji folder (built if missing)")
     ap.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
-    ap.add_argument("--no-ps", action="store_true", help="skip the Proxy Synthesis variants")
+    ps = ap.add_mutually_exclusive_group()
+    ps.add_argument("--no-ps", action="store_true", help="skip the Proxy Synthesis variants")
+    ps.add_argument("--only-ps", action="store_true", help="only the Proxy Synthesis variants")
     ap.add_argument("--epochs", type=int, default=0, help="override train.epochs (0 = the recipe's)")
     ap.add_argument("--max-steps", type=int, default=0, help="train.max_steps_per_epoch (0 = full epochs)")
     ap.add_argument("--seed", type=int, default=0)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {} if args.no_baselines else baselines(split)
     _print(rows)
     # Every loss without PS first, then with it: a partial run still gives the loss ordering.
-    for ps in ((False,) if args.no_ps else (False, True)):
+    for ps in ((False,) if args.no_ps else (True,) if args.only_ps else (False, True)):
         for loss in args.losses:
             recipe = f"emoji_{loss}{'_ps' if ps else ''}"
             row, seconds = train_one(recipe, overrides)
