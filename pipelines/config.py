@@ -62,6 +62,11 @@ class DataConfig:
         "a little above 1 undoes RandomResizedCrop's zoom, as objects look larger in training crops "
         "(FixRes, Touvron et al. 2019)", 1.0
     )
+    val_classes: int = doc(
+        "hold out this many seen classes (one fixed seeded draw, the same for every run) and evaluate "
+        "on them instead of the unseen classes: choose hyper-parameters without looking at the test "
+        "classes, then retrain with 0 to report (0 = evaluate on the unseen classes)", 0
+    )
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size)
@@ -78,6 +83,7 @@ class DataConfig:
         _non_negative("data.samples_per_class", self.samples_per_class)
         _non_negative("data.image_size", self.image_size)
         _non_negative("data.loader_workers", self.loader_workers)
+        _non_negative("data.val_classes", self.val_classes)
         if self.samples_per_class == 1:
             raise ConfigError("data.samples_per_class: 1 gives no positives; use 0 or >= 2")
         if self.samples_per_class and self.batch_size % self.samples_per_class:

@@ -34,7 +34,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
     out = training.train(cfg, address=args.address)
     keys = [k for k in out.metrics if k.startswith(("recall_at", "map_at_r", "r_precision", "precision_at", "nmi"))]
-    print("\nunseen-class retrieval (last epoch)")
+    held = cfg.data.val_classes
+    print(f"\n{f'validation retrieval ({held} held-out seen classes)' if held else 'unseen-class retrieval'}"
+          " (last epoch)")
     print(f"{'metric':16s} value")
     for k in keys:
         print(f"{k:16s} {out.metrics[k]:.4f}")
@@ -300,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     best.add_argument("--tracking-uri", default=None, help="MLflow URI (default: $MLFLOW_TRACKING_URI or ./mlruns)")
     best.set_defaults(func=_cmd_tune_best)
 
-    ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes")
+    ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes (data.val_classes=0 "
+                        "scores a model trained on a validation split on the test classes)")
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)

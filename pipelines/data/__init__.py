@@ -57,6 +57,8 @@ class DataSplit:
     # ``retrieval_metrics(..., exclude_same_group=(test_groups, None))`` then drops a query's own
     # group from its candidates (e.g. OpenMoji black when the query is OpenMoji colour).
     test_groups: list[int] | None = None
+    # The same for each ``train`` item: kept for a validation split carved out of the seen classes.
+    train_groups: list[int] | None = None
 
 
 def dataset_labels(dataset: Dataset) -> list[int]:
@@ -177,11 +179,70 @@ def check_training_classes(split: DataSplit, cfg: DataConfig) -> list[int]:
     return single
 
 
+# Fixed, not train.seed: runs with different seeds must be scored on the same held-out classes.
+VAL_SEED = 0
+
+
+def hold_out_classes(split: DataSplit, n: int, name: str) -> DataSplit:
+    """Evaluate on ``n`` held-out seen classes instead of the unseen ones (``data.val_classes``).
+
+    The classes are one seeded draw (``VAL_SEED``), whatever the run's seed. Training keeps the
+    other seen classes, relabelled ``0..C-n-1``. The held-out images are read with the
+    evaluation transform of the unseen set (resize + centre crop at the evaluation size), so a
+    validation score measures what a test score would, on classes the test never uses.
+    In-Shop's query/gallery split does not carry over: the held-out set is scored all-vs-all.
+    """
+    labels = torch.tensor(dataset_labels(split.train))
+    c = split.num_classes
+    if not 2 <= n <= c - 2:
+        raise DataError(
+            f"data.val_classes={n}: dataset {name!r} has {c} seen classes; hold out between 2 and {c - 2} "
+            "so that both training and validation keep >= 2 classes"
+        )
+    held = torch.zeros(c, dtype=torch.bool)
+    held[torch.randperm(c, generator=torch.Generator().manual_seed(VAL_SEED))[:n]] = True
+    keep = (~held).nonzero().squeeze(1)
+    relabel = torch.full((c,), -1, dtype=torch.long)
+    relabel[keep] = torch.arange(len(keep))
+    tr = (~held[labels]).nonzero().squeeze(1).tolist()
+    va = held[labels].nonzero().squeeze(1).tolist()
+    train, test = split.train, split.test
+    if isinstance(train, TensorImageDataset):
+        images = train.images[va]
+        if isinstance(test, TensorImageDataset) and test.images.shape[-2:] != images.shape[-2:]:
+            images = torch.nn.functional.interpolate(images, size=tuple(test.images.shape[-2:]), mode="bilinear")
+        new_train: Dataset = TensorImageDataset(train.images[tr], relabel[labels[tr]], f"{train.name}/train")
+        val: Dataset = TensorImageDataset(images, labels[va], f"{train.name}/val")
+    elif hasattr(train, "samples") and hasattr(test, "transform"):
+        from pipelines.data.transforms import ImageListDataset
+
+        names = list(getattr(train, "classes", [str(i) for i in range(c)]))
+        samples = [(Path(p), int(y)) for p, y in train.samples]
+        base = getattr(train, "name", name)
+        new_train = ImageListDataset([(samples[i][0], int(relabel[samples[i][1]])) for i in tr], train.transform,
+                                     f"{base}-val{n}", classes=[names[k] for k in keep.tolist()])
+        val = ImageListDataset([samples[i] for i in va], test.transform, f"{base}/val{n}", classes=names)
+    else:
+        raise DataError(f"data.val_classes: dataset {name!r} ({type(train).__name__}) cannot hold out classes")
+    groups = split.train_groups
+    return DataSplit(
+        train=new_train, test=val, num_classes=len(keep),
+        test_groups=[groups[i] for i in va] if groups is not None else None,
+        train_groups=[groups[i] for i in tr] if groups is not None else None,
+    )
+
+
 def build_datasets(cfg: DataConfig) -> DataSplit:
-    """Build the train/eval split named by ``cfg.name`` and check it."""
+    """Build the train/eval split named by ``cfg.name`` and check it.
+
+    With ``data.val_classes`` > 0 the evaluation set is a held-out part of the seen classes
+    (``hold_out_classes``); the unseen classes are then not read at all.
+    """
     if cfg.name not in DATASETS:
         raise ConfigError(f"data.name: unknown dataset {cfg.name!r}; known: {', '.join(DATASETS)}")
     split = check_split(DATASETS[cfg.name](cfg), cfg.name)
+    if cfg.val_classes:
+        split = check_split(hold_out_classes(split, cfg.val_classes, cfg.name), cfg.name)
     single = check_training_classes(split, cfg)
     if single:
         print(f"note: dataset {cfg.name!r}: {len(single)} training class(es) have a single image (kept)")
@@ -214,4 +275,5 @@ __all__ = [
     "check_split",
     "check_training_classes",
     "dataset_labels",
+    "hold_out_classes",
 ]

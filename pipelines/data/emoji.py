@@ -638,10 +638,10 @@ def emoji_split(cfg: DataConfig) -> DataSplit:
         )
     families = sorted({r["family"] for r in rows})
     fam_id = {f: i for i, f in enumerate(families)}
-    test_rows = [r for r in rows if r["split"] == "test"]
     return DataSplit(
         train=parts["train"], test=parts["test"], num_classes=len(parts["train"].classes),
-        test_groups=[fam_id[r["family"]] for r in test_rows],
+        test_groups=[fam_id[r["family"]] for r in rows if r["split"] == "test"],
+        train_groups=[fam_id[r["family"]] for r in rows if r["split"] == "train"],
     )
 
 

@@ -218,6 +218,42 @@ def test_eval_scale_enlarges_evaluation_only(tmp_path):
             DataConfig(eval_scale=bad)
 
 
+def test_val_classes_hold_out_seen_classes_with_the_eval_transform(tmp_path):
+    # Emoji: 8 seen classes x 3 designs; hold out 3 of them.
+    make_emoji(tmp_path, classes=16)
+    full = build_datasets(_cfg("emoji", tmp_path, image_size=16, eval_scale=1.5, random_flip=False))
+    split = build_datasets(_cfg("emoji", tmp_path, image_size=16, eval_scale=1.5, random_flip=False, val_classes=3))
+    assert (split.num_classes, len(split.train), len(split.test)) == (5, 15, 9)
+    train_keys = {split.train.classes[y] for y in dataset_labels(split.train)}
+    val_files = {p for p, _ in split.test.samples}
+    val_keys = {p.parent.name for p in val_files}
+    assert len(train_keys) == 5 and len(val_keys) == 3 and not train_keys & val_keys
+    # Only seen classes are used: the unseen half is never read.
+    assert (train_keys | val_keys) == set(full.train.classes)
+    assert val_files <= {p for p, _ in full.train.samples}
+    assert sorted(set(dataset_labels(split.train))) == [0, 1, 2, 3, 4]
+    # Training keeps its random crops; the held-out images are scored like the test set (24 px).
+    assert split.train[0][0].shape == (3, 16, 16) and split.test[0][0].shape == (3, 24, 24)
+    # Design families travel with the held-out images (the cross-family report still works).
+    fam = dict(zip((p.stem for p, _ in split.test.samples), split.test_groups))
+    assert fam["openmoji_color"] == fam["openmoji_black"] != fam["google"]
+    # One fixed draw: the same classes however often it is built (train.seed plays no part).
+    again = build_datasets(_cfg("emoji", tmp_path, image_size=16, random_flip=False, val_classes=3))
+    assert {p for p, _ in again.test.samples} == val_files
+    # In-memory digits: 5 seen digits, 2 held out, images resized to the evaluation size.
+    digits = build_datasets(DataConfig(name="digits", image_size=16, eval_scale=1.25, val_classes=2))
+    assert digits.num_classes == 3 and set(dataset_labels(digits.train)) == {0, 1, 2}
+    held = set(dataset_labels(digits.test))
+    assert len(held) == 2 and held <= {0, 1, 2, 3, 4} and digits.test[0][0].shape == (1, 20, 20)
+    # Too many or too few held-out classes, or a negative count: one message naming the key.
+    for n in (1, 4):
+        with pytest.raises(DataError, match=f"data.val_classes={n}: dataset 'digits' has 5 seen classes; "
+                                            "hold out between 2 and 3"):
+            build_datasets(DataConfig(name="digits", val_classes=n))
+    with pytest.raises(ConfigError, match="data.val_classes"):
+        DataConfig(val_classes=-1)
+
+
 def test_flip_switch_and_deterministic_eval():
     # A left/right asymmetric image: with flips off and no crop, training never mirrors it.
     array = np.zeros((16, 16, 3), dtype=np.uint8)

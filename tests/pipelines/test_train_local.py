@@ -55,3 +55,16 @@ def test_eval_every_scores_every_nth_and_the_last_epoch_and_trains_the_same(tmp_
     for a, b in zip(every.history, sparse.history):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)  # looking less does not change training
     assert sparse.history[-1]["map_at_r"] == pytest.approx(every.history[-1]["map_at_r"], abs=1e-6)
+
+
+def test_validation_split_trains_fewer_proxies_and_the_checkpoint_scores_the_test_classes(tmp_path):
+    # Choose settings on 2 held-out seen digits, then score the same model on the unseen 5-9.
+    rep = LocalReporter(tmp_path)
+    val = run(load_config("digits", [*OVERRIDES, "train.epochs=1", "data.val_classes=2", "data.batch_size=48"]), rep)
+    ckpt = sorted(tmp_path.glob("checkpoint_*"))[-1]
+    assert torch.load(ckpt / "loss.pt", weights_only=True)["proxies"].shape == (3, 64)
+    assert evaluate_checkpoint(ckpt)["map_at_r"] == pytest.approx(val["map_at_r"], abs=1e-6)
+    test = evaluate_checkpoint(ckpt, ["data.val_classes=0"])
+    # 2 held-out digits x ~180 images vs 5 unseen digits x ~180: different sets, different scores.
+    assert test["map_at_r"] != pytest.approx(val["map_at_r"], abs=1e-3)
+    assert 0.0 < test["recall_at_1"] <= 1.0
