@@ -6,7 +6,9 @@ One call of :func:`retrain`:
    ``manifest.json`` lists every file with its sha256 plus an overall checksum; the
    evaluation classes (``test/``) must not overlap the training classes (``train/``);
 2. builds the config: the champion version's ``config.yaml``, a recipe, or a sweep's best
-   config, then the overrides, then ``data.name=folder data.root=<snapshot>``;
+   config, then the overrides, then ``data.name=folder data.root=<snapshot>
+   data.val_classes=0`` (a sweep may choose on held-out seen classes; a model is trained on all
+   of them and promoted on the snapshot's evaluation classes only);
 3. returns the earlier result when a version for the same (model, snapshot, config hash)
    exists -- the run name is derived from exactly that, so a crashed call resumes the same
    Ray run and MLflow run;
@@ -267,7 +269,7 @@ def build_config(base: dict[str, Any], overrides: list[str], snapshot: Snapshot,
                  tracking_uri: str) -> Config:
     """Source config + overrides + the snapshot as a folder dataset, validated."""
     values = merge(_strip_tracking(base), parse_overrides(overrides))
-    values = merge(values, {"data": {"name": "folder", "root": str(snapshot.root)}})
+    values = merge(values, {"data": {"name": "folder", "root": str(snapshot.root), "val_classes": 0}})
     tracking = dict(values.get("tracking") or {})
     tracking["tracking_uri"] = tracking_uri
     tracking.setdefault("experiment", f"proxydml-retrain-{model}")
@@ -281,8 +283,9 @@ def build_config(base: dict[str, Any], overrides: list[str], snapshot: Snapshot,
 
 
 def snapshot_overrides(snapshot: Snapshot) -> list[str]:
-    """The only config change evaluation makes: read the snapshot as a folder dataset."""
-    return ["data.name=folder", f"data.root={snapshot.root}"]
+    """The only config change evaluation makes: read the snapshot as a folder dataset, scored
+    on its evaluation classes (never a validation split of its training classes)."""
+    return ["data.name=folder", f"data.root={snapshot.root}", "data.val_classes=0"]
 
 
 def evaluate_split(cfg: Config, model: Any, split: Any) -> dict[str, float]:

@@ -159,6 +159,11 @@ def test_config_hash_and_run_name_ignore_where_it_runs(tmp_path):
     assert a.run_name() == b.run_name() == f"retrain-m-2024-01-01-A-{retrain.config_hash(a)}"
     c = retrain.build_config(base, ["train.epochs=3"], snap, model="m", tracking_uri="sqlite:///x.db")
     assert retrain.config_hash(c) != retrain.config_hash(a)  # epochs make another candidate
+    # A sweep's best config chosen on held-out seen classes trains on all of them and is
+    # judged on the snapshot's evaluation classes, like every other candidate and the champion.
+    swept = retrain.build_config({**base, "data": {"val_classes": 50}}, [], snap, model="m",
+                                 tracking_uri="sqlite:///x.db")
+    assert swept.data.val_classes == 0 and "data.val_classes=0" in retrain.snapshot_overrides(snap)
 
 
 def test_decide():
