@@ -13,6 +13,9 @@ Usage (full: ~1 h on 2 CPU cores; ``--epochs 1 --max-steps 20`` for a quick look
 
     .venv/bin/python tests/benchmarks/bench_emoji.py --root data/emoji --out bench_emoji.json
     .venv/bin/python tests/benchmarks/bench_emoji.py --losses proxy_anchor norm_softmax --epochs 2
+    # choose on 300 held-out seen classes instead of the unseen half, try two scoring sizes
+    .venv/bin/python tests/benchmarks/bench_emoji.py --losses proxy_nca_pp --no-ps --no-baselines \
+        --set data.val_classes=300 --eval-scales 1.0 1.5
 """
 
 from __future__ import annotations
@@ -78,9 +81,10 @@ def baselines(split: DataSplit) -> dict[str, dict[str, float]]:
     }
 
 
-def train_one(recipe: str, overrides: list[str]) -> tuple[dict[str, float], float]:
+def train_one(recipe: str, overrides: list[str], eval_scales: list[float] = ()) -> tuple[dict[str, float], float]:
+    """Train ``recipe``; its row, plus R@1 and MAP@R of the same checkpoint at each of ``eval_scales``."""
     from pipelines.tracking import LocalReporter
-    from pipelines.train import load_model, run
+    from pipelines.train import evaluate_checkpoint, load_model, run
 
     class EchoReporter(LocalReporter):
         """Prints each epoch's metrics: a full recipe runs for minutes."""
@@ -101,6 +105,9 @@ def train_one(recipe: str, overrides: list[str]) -> tuple[dict[str, float], floa
         ckpt = sorted(Path(tmp).glob("checkpoint_*"))[-1]
         _, model, split = load_model(ckpt)
         row.update(google_to_twitter(model, split))
+        for scale in eval_scales:
+            m = evaluate_checkpoint(ckpt, [f"data.eval_scale={scale}"])
+            row[f"R@1 at eval_scale {scale:g}"], row[f"MAP@R at eval_scale {scale:g}"] = m["recall_at_1"], m["map_at_r"]
     return row, time.perf_counter() - t0
 
 
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra dotted config overrides for every recipe, e.g. data.image_size=128")
     ap.add_argument("--no-baselines", action="store_true", help="skip the raw-pixel and frozen rows")
+    ap.add_argument("--eval-scales", nargs="*", type=float, default=[], metavar="S",
+                    help="also score each trained model at these data.eval_scale values (no retraining)")
     ap.add_argument("--out", default="", help="write the table as JSON here")
     args = ap.parse_args(argv)
 
@@ -138,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     for ps in ((False,) if args.no_ps else (True,) if args.only_ps else (False, True)):
         for loss in args.losses:
             recipe = f"emoji_{loss}{'_ps' if ps else ''}"
-            row, seconds = train_one(recipe, overrides)
+            row, seconds = train_one(recipe, overrides, args.eval_scales)
             rows[recipe] = {**row, "minutes": seconds / 60}
             _print({recipe: rows[recipe]}, header=False)
+            for key in (k for k in row if "eval_scale" in k):
+                print(f"  {key}: {row[key]:.4f}")
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     print()
