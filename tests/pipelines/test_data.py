@@ -240,6 +240,15 @@ def test_val_classes_hold_out_seen_classes_with_the_eval_transform(tmp_path):
     # One fixed draw: the same classes however often it is built (train.seed plays no part).
     again = build_datasets(_cfg("emoji", tmp_path, image_size=16, random_flip=False, val_classes=3))
     assert {p for p, _ in again.test.samples} == val_files
+    # A plain image folder (torchvision's ImageFolder underneath) holds out the same way.
+    for part, classes in (("train", "abcd"), ("test", "ef")):
+        for c in classes:
+            for i in range(2):
+                _image(tmp_path / "folder" / part / c / f"{i}.png", size=(40, 30))
+    folder = build_datasets(_cfg("folder", tmp_path / "folder", image_size=24, val_classes=2))
+    assert folder.num_classes == 2 and len(folder.train) == len(folder.test) == 4
+    assert {p.parent.parent.name for p, _ in folder.test.samples} == {"train"}
+    assert folder.test[0][0].shape == (3, 24, 24)
     # In-memory digits: 5 seen digits, 2 held out, images resized to the evaluation size.
     digits = build_datasets(DataConfig(name="digits", image_size=16, eval_scale=1.25, val_classes=2))
     assert digits.num_classes == 3 and set(dataset_labels(digits.train)) == {0, 1, 2}
