@@ -13,6 +13,7 @@ Usage (full: ~1 h on 2 CPU cores; ``--epochs 1 --max-steps 20`` for a quick look
 
     .venv/bin/python tests/benchmarks/bench_emoji.py --root data/emoji --out bench_emoji.json
     .venv/bin/python tests/benchmarks/bench_emoji.py --losses proxy_anchor norm_softmax --epochs 2
+    .venv/bin/python tests/benchmarks/bench_emoji.py --recipes emoji_proxy_nca_pp_long --no-baselines
     # choose on 300 held-out seen classes instead of the unseen half, try two scoring sizes
     .venv/bin/python tests/benchmarks/bench_emoji.py --losses proxy_nca_pp --no-ps --no-baselines \
         --set data.val_classes=300 --eval-scales 1.0 1.5
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(ROOT / "data" / "emoji"), help="built emoji folder (built if missing)")
     ap.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
+    ap.add_argument("--recipes", nargs="+", default=[], metavar="RECIPE",
+                    help="train these recipes instead of emoji_<loss>[_ps] (e.g. emoji_proxy_nca_pp_long)")
     ps = ap.add_mutually_exclusive_group()
     ps.add_argument("--no-ps", action="store_true", help="skip the Proxy Synthesis variants")
     ps.add_argument("--only-ps", action="store_true", help="only the Proxy Synthesis variants")
@@ -144,16 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {} if args.no_baselines else baselines(split)
     _print(rows)
     # Every loss without PS first, then with it: a partial run still gives the loss ordering.
-    for ps in ((False,) if args.no_ps else (True,) if args.only_ps else (False, True)):
-        for loss in args.losses:
-            recipe = f"emoji_{loss}{'_ps' if ps else ''}"
-            row, seconds = train_one(recipe, overrides, args.eval_scales)
-            rows[recipe] = {**row, "minutes": seconds / 60}
-            _print({recipe: rows[recipe]}, header=False)
-            for key in (k for k in row if "eval_scale" in k):
-                print(f"  {key}: {row[key]:.4f}")
-            if args.out:
-                Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    variants = (False,) if args.no_ps else (True,) if args.only_ps else (False, True)
+    recipes = args.recipes or [f"emoji_{loss}{'_ps' if ps else ''}" for ps in variants for loss in args.losses]
+    for recipe in recipes:
+        row, seconds = train_one(recipe, overrides, args.eval_scales)
+        rows[recipe] = {**row, "minutes": seconds / 60}
+        _print({recipe: rows[recipe]}, header=False)
+        for key in (k for k in row if "eval_scale" in k):
+            print(f"  {key}: {row[key]:.4f}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     print()
     _print(rows)
     return 0

@@ -89,3 +89,10 @@ def test_every_shipped_recipe_loads_and_validates(recipe):
     cfg = load_config(recipe)
     # A recipe holds only real keys: loading it back from its own YAML is the identity.
     assert from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_long_emoji_recipe_is_the_short_one_with_three_changes():
+    # The README's 10-epoch row must stay what the short recipe plus its three levers gives.
+    short = load_config("emoji_proxy_nca_pp", ["train.epochs=10", "data.image_size=192", "data.eval_resize=192",
+                                                "model.frozen_stages=2"])
+    assert load_config("emoji_proxy_nca_pp_long") == short
