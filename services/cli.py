@@ -35,8 +35,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     out = training.train(cfg, address=args.address)
     keys = [k for k in out.metrics if k.startswith(("recall_at", "map_at_r", "r_precision", "precision_at", "nmi"))]
     held = cfg.data.val_classes
-    print(f"\n{f'validation retrieval ({held} held-out seen classes)' if held else 'unseen-class retrieval'}"
-          " (last epoch)")
+    title = f"validation retrieval ({held} held-out seen classes)" if held else "unseen-class retrieval"
+    print(f"\n{title} (last epoch)")
     print(f"{'metric':16s} value")
     for k in keys:
         print(f"{k:16s} {out.metrics[k]:.4f}")

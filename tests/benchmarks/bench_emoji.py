@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -82,7 +83,7 @@ def baselines(split: DataSplit) -> dict[str, dict[str, float]]:
     }
 
 
-def train_one(recipe: str, overrides: list[str], eval_scales: list[float] = ()) -> tuple[dict[str, float], float]:
+def train_one(recipe: str, overrides: list[str], eval_scales: Sequence[float] = ()) -> tuple[dict[str, float], float]:
     """Train ``recipe``; its row, plus R@1 and MAP@R of the same checkpoint at each of ``eval_scales``."""
     from pipelines.tracking import LocalReporter
     from pipelines.train import evaluate_checkpoint, load_model, run
