@@ -11,7 +11,14 @@ from torch import Tensor, nn
 from .functional import SyntheticProxies, normalize_rows
 from .sharding import ShardContext
 
-__all__ = ["DEFAULT_INIT_SEED", "ProxyLoss", "check_positive", "default_generator", "fill_rows_"]
+__all__ = [
+    "DEFAULT_INIT_SEED",
+    "ProxyLoss",
+    "check_positive",
+    "default_generator",
+    "fill_rows_",
+    "full_precision",
+]
 
 # Without a generator the proxies are initialised from a private generator with this seed:
 # the package never touches the global torch RNG (reproducibility of distributed runs).
@@ -65,6 +72,21 @@ def fill_rows_(
             out[lo - row_start : hi - row_start] = block[lo - r : hi - r]
         r += rows
     return out
+
+
+def full_precision(embeddings: Tensor) -> Tensor:
+    """``embeddings`` (B, d) as float32 if float16 / bfloat16, else unchanged (float32/64).
+
+    Differentiable (the gradient flows back in the input's dtype). The loss entry points
+    call it with autocast off: the whole loss, GEMMs included, then runs in float32 (or
+    float64), whether or not it is called inside an autocast region. Low precision is not
+    an option for these losses: exp(alpha S) with alpha = 32 overflows float16, bfloat16
+    rounding of the cosines swamps the margin, and a bfloat16 GEMM in the backward gave
+    gradient errors of 1e3 to 5e4 (relative) near convergence (see proxies/functional.py).
+    """
+    if embeddings.dtype in (torch.float16, torch.bfloat16):
+        return embeddings.float()
+    return embeddings
 
 
 def check_positive(name: str, value: float, *, strict: bool = True) -> float:
@@ -155,12 +177,16 @@ class ProxyLoss(nn.Module):
         """embeddings (B, d), labels (B,) long in [0, C) -> scalar loss.
 
         Sharded: the global batch (identical on every rank), global labels; the result is
-        the loss of the global batch on every rank.
+        the loss of the global batch on every rank. Always computed in float32 (float64 if
+        the embeddings or the proxies are float64), also inside an autocast region: autocast
+        is turned off here and half / bfloat16 embeddings are upcast (:func:`full_precision`).
         """
         self.check_inputs(embeddings, labels)
-        loss = self.loss_from(embeddings, self.proxies, self.shard.localize(labels))
-        if self.training:
-            self.update_state(embeddings, labels)
+        with torch.autocast(embeddings.device.type, enabled=False):
+            embeddings = full_precision(embeddings)
+            loss = self.loss_from(embeddings, self.proxies, self.shard.localize(labels))
+            if self.training:
+                self.update_state(embeddings, labels)
         return loss
 
     def loss_from(

@@ -50,8 +50,10 @@ class ProxyISALoss(ProxyLoss):
     only) updates it: once ``filter_on``, positives with ``S_{i,y_i} < S_out(y_i)`` are
     outliers (not counted, not enqueued); ``count``/``effective_num`` of the classes with
     clean samples are updated; once ``memory_on``, the clean normalised embeddings are
-    enqueued and ``learned_sim`` of those classes becomes ``h * mean <f_j, p̂_c>`` over the
-    memory rows of class c. Deterministic (no randomness at all).
+    enqueued and ``learned_sim`` of *every* class of the batch that has rows in the memory
+    (after this enqueue) becomes ``h * mean <f_j, p̂_c>`` over those rows, also for a class
+    whose samples in this step were all outliers (as the official code does; LOSSES.md).
+    Deterministic (no randomness at all).
     """
 
     count: Tensor
@@ -164,22 +166,31 @@ class ProxyISALoss(ProxyLoss):
                 x_clean, y_clean, local_clean = x_hat, labels, local
             mine = local_clean[local_clean >= 0] if shard.sharded else local_clean
             added = torch.bincount(mine, minlength=self.num_local)
-            touched = added > 0
+            touched = added > 0  # classes with a clean sample: only their count / E change
             self.count.add_(added)
             e_new = effective_number(self.count, self.V).to(self.effective_num.dtype)
             self.effective_num.copy_(torch.where(touched, e_new, self.effective_num))
             if self.memory_on:
                 self.memory.enqueue(x_clean, y_clean)
-                self._refresh_learned_sim(proxies, touched)
+                # S_learned: every class of the batch that this rank owns, clean or not, as
+                # the official code does (LOSSES.md). Why: S_learned(c) (and with it the
+                # outlier boundary) then follows the moving proxy c through the memory rows
+                # even in a step where all of c's samples were outliers, instead of keeping
+                # a value measured against an older proxy.
+                in_batch = torch.zeros(self.num_local, dtype=torch.bool, device=labels.device)
+                in_batch[local[local >= 0] if shard.sharded else local] = True
+                self._refresh_learned_sim(proxies, in_batch)
 
-    def _refresh_learned_sim(self, proxies: Tensor, touched: Tensor) -> None:
-        """S_learned(c) = h * mean over memory rows of class c of <f_j, p̂_c>, for touched c.
+    def _refresh_learned_sim(self, proxies: Tensor, classes_mask: Tensor) -> None:
+        """S_learned(c) = h * mean over memory rows of class c of <f_j, p̂_c>, for the local
+        classes c of ``classes_mask`` (C_local,) bool that have rows in the memory; the
+        others keep their value. ``proxies`` (C_local, d): as used in this step's forward.
 
         Computed as h * <mean_j f_j, p̂_c> (the same, by linearity): one gather of the
-        memory rows of the touched classes and a sum per class, no per-row proxy gather.
+        memory rows of those classes and a sum per class, no per-row proxy gather.
         """
         feats, labs = self.memory.get()
-        classes = touched.nonzero().squeeze(1)  # (k,) local ids, at most B classes
+        classes = classes_mask.nonzero().squeeze(1)  # (k,) local ids, at most B classes
         # One slot per local class plus a last one (-1) for the rows of other shards' classes.
         slot = torch.full((self.num_local + 1,), -1, dtype=torch.long, device=labs.device)
         slot[classes] = torch.arange(classes.numel(), device=labs.device)
@@ -191,7 +202,7 @@ class ProxyISALoss(ProxyLoss):
         p_hat = normalize_rows(proxies[classes])
         means = sums.to(p_hat.dtype) / n.clamp_min(1).unsqueeze(1).to(p_hat.dtype)
         sim = self.h * (means * p_hat).sum(dim=1)
-        keep = n > 0  # a class whose rows were all overwritten keeps its value
+        keep = n > 0  # no memory rows (all outliers so far, or overwritten): keep the value
         self.learned_sim[classes[keep]] = sim[keep].to(self.learned_sim.dtype)
 
     def extra_repr(self) -> str:

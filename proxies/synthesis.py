@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import ProxyLoss, check_positive, default_generator
+from .base import ProxyLoss, check_positive, default_generator, full_precision
 from .functional import SyntheticProxies, normalize_rows
 from .sharding import ShardContext
 
@@ -165,9 +165,18 @@ class ProxySynthesis(nn.Module):
         return min(batch_size, int(math.floor(batch_size * self.mu)))
 
     def forward(self, embeddings: Tensor, labels: Tensor, lam: float | None = None) -> Tensor:
-        """embeddings (B, d), labels (B,) long, optional fixed ``lam`` -> scalar loss."""
+        """embeddings (B, d), labels (B,) long, optional fixed ``lam`` -> scalar loss.
+
+        Like every proxy loss, computed in float32 (or float64) with autocast off, also when
+        called inside an autocast region (half / bfloat16 embeddings are upcast).
+        """
+        self.base.check_inputs(embeddings, labels)
+        with torch.autocast(embeddings.device.type, enabled=False):
+            return self._forward(full_precision(embeddings), labels, lam)
+
+    def _forward(self, embeddings: Tensor, labels: Tensor, lam: float | None) -> Tensor:
+        """:meth:`forward` after the checks, with autocast off and float32/64 embeddings."""
         base = self.base
-        base.check_inputs(embeddings, labels)
         n = self.num_synthetic(embeddings.shape[0])
         if n == 0:
             return base(embeddings, labels)

@@ -70,29 +70,38 @@ def test_state_dict_round_trip(name, wrapped):
 
 @pytest.mark.parametrize("name, wrapped", PARAMS, ids=IDS)
 def test_dtypes_agree(name, wrapped):
-    base = _make(name, wrapped).eval()  # eval: no ISA update between the three calls
+    base = _make(name, wrapped).eval()  # eval: no ISA update between the calls
     x64 = _x(torch.float64)
     l64 = _call(copy.deepcopy(base).double(), x64, LABELS)
     l32 = _call(copy.deepcopy(base), x64.float(), LABELS)
+    # bf16 values as an autocast network hands them over: upcast, the loss in float32
+    x16 = x64.to(torch.bfloat16)
+    l16_plain = _call(copy.deepcopy(base), x16.float(), LABELS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m = copy.deepcopy(base)
         xb = x64.float().requires_grad_()
         lbf = _call(m, xb, LABELS)
-        # the network under autocast may hand over bf16 embeddings: also accepted
-        lbf2 = _call(m, x64.to(torch.bfloat16), LABELS)
+        lbf2 = _call(m, x16, LABELS)
     lbf.backward()
     assert l64.dtype == torch.float64 and l32.dtype == torch.float32 and lbf.dtype == torch.float32
+    assert lbf2.dtype == torch.float32
     assert torch.isfinite(xb.grad).all() and torch.isfinite(m.proxies.grad).all()
     assert l32.item() == pytest.approx(l64.item(), rel=1e-5)
-    assert lbf.item() == pytest.approx(l64.item(), rel=0.05)
-    assert lbf2.item() == pytest.approx(l64.item(), rel=0.05)
+    # Inside autocast the loss runs in float32 all the way (tests/proxies/test_losses_autocast.py
+    # checks the gradients): the same number as outside.
+    assert lbf.item() == pytest.approx(l32.item(), rel=1e-6, abs=1e-6)
+    assert lbf2.item() == pytest.approx(l16_plain.item(), rel=1e-6, abs=1e-6)
+    assert lbf2.item() == pytest.approx(l64.item(), rel=0.05)  # only the bf16 input rounding
 
 
-def test_alpha_32_safe_under_bf16_with_extreme_cosines():
-    """Embeddings on (or opposite) their proxies: exp(alpha (S + delta)) would overflow bf16."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alpha_32_safe_under_autocast_with_extreme_cosines(dtype):
+    """Embeddings on (or opposite) their proxies: exp(alpha (S + delta)) would overflow bf16
+    and fp16; inside autocast the loss still runs in float32 and equals the plain call."""
     loss = build_loss({"name": "proxy_anchor"}, C, D)
     x = torch.cat([loss.proxies.detach()[:5], -loss.proxies.detach()[:5]]) * 100
     y = torch.tensor([0, 1, 2, 3, 4, 1, 2, 3, 4, 0])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         value = loss(x, y)
-    assert torch.isfinite(value)
+    assert torch.isfinite(value) and value.dtype == torch.float32
+    assert value.item() == pytest.approx(loss(x, y).item(), rel=1e-6, abs=1e-6)
