@@ -103,9 +103,11 @@ def retrieval_metrics(
         "precision_at_1"}`` plus ``"nmi"`` iff ``nmi=True``, all Python floats.
 
         ``R_q`` is the number of gallery items of the query's class (less itself when
-        query = gallery, less its group's items when ``exclude_same_group``). Queries
-        with ``R_q = 0`` are excluded from *every* retrieval metric, Recall@K included (as
-        pytorch-metric-learning does): no candidate could ever be a hit for them.
+        query = gallery, less its group's items when ``exclude_same_group``). Recall@K is
+        over ALL queries: a query with ``R_q = 0`` (no other member of its class) counts as
+        a miss, as the papers' evaluation code does (Proxy-Anchor's ``calc_recall_at_k``,
+        ProxyNCA++). P@1, R-Precision and MAP@R exclude such queries (pytorch-metric-learning's
+        convention).
         ``R-Precision = (#relevant in top R_q) / R_q``,
         ``MAP@R = (1/R_q) sum_{k <= R_q} P@k * rel_k``. Matches pytorch-metric-learning's
         ``AccuracyCalculator(k="max_bin_count")`` on normalised inputs. NMI is not
@@ -209,10 +211,13 @@ def retrieval_metrics(
         )
         start = stop
 
-    # Columns: recall hits per K, then P@1, R-Precision, MAP@R; mean over valid queries.
-    means = np.concatenate(parts).mean(axis=0)
-    out = {f"recall_at_{k}": float(means[i]) for i, k in enumerate(recall_ks)}
+    # Columns: recall hits per K, then P@1, R-Precision, MAP@R; mean over valid queries,
+    # except Recall@K, whose denominator counts the queries with R_q = 0 as misses.
+    per_query = np.concatenate(parts)
+    means = per_query.mean(axis=0)
     n_r = len(recall_ks)
+    hits = per_query[:, :n_r].sum(axis=0)
+    out = {f"recall_at_{k}": float(hits[i] / len(queries)) for i, k in enumerate(recall_ks)}
     out["map_at_r"] = float(means[n_r + 2])
     out["r_precision"] = float(means[n_r + 1])
     out["precision_at_1"] = float(means[n_r])

@@ -52,12 +52,14 @@ def test_hand_built_self_query() -> None:
     _assert_close(got, HAND_EXPECTED)
 
 
-def test_lone_class_query_is_skipped() -> None:
-    # Item 6 (class 2, alone) at 250 deg: R_q = 0, so it is not a query; as a gallery item
-    # it is farther than every top-4 neighbour of the six others, so nothing changes.
+def test_lone_class_query_is_a_recall_miss_and_skipped_elsewhere() -> None:
+    # Item 6 (class 2, alone) at 250 deg: R_q = 0. Recall@K counts it as a miss (the papers'
+    # convention: 7 queries, the same hits); P@1, R-Precision and MAP@R skip it. As a gallery
+    # item it is farther than every top-4 neighbour of the six others.
     emb = _circle([*HAND_DEG, 250], [*HAND_SCALES, 1.0])
     got = retrieval_metrics(emb, np.array([*HAND_LABELS, 2]), recall_ks=(1, 2, 4))
-    _assert_close(got, HAND_EXPECTED)
+    want = {**HAND_EXPECTED, "recall_at_1": 4 / 7, "recall_at_2": 5 / 7, "recall_at_4": 6 / 7}
+    _assert_close(got, want)
 
 
 def test_query_gallery_split() -> None:
@@ -65,7 +67,7 @@ def test_query_gallery_split() -> None:
     #   A  10 -> 0A 30B 60A ...: R=2, P@1 1, R-Prec 1/2, MAP 1/2, hit@1, hit@2
     #   B  50 -> 60A 30B 90B ..: R=2, P@1 0, R-Prec 1/2, MAP (0 + 1/2)/2 = 1/4, hit@2 only
     #   C 170 -> 180C ...      : R=1, P@1 1, R-Prec 1,   MAP 1, hit@1, hit@2
-    #   D  45 -> no class D in the gallery: R=0, skipped everywhere.
+    #   D  45 -> no class D in the gallery: R=0, a miss for Recall@K, skipped elsewhere.
     gallery = _circle([0, 30, 60, 90, 180])
     g_labels = np.array([0, 1, 0, 1, 2])
     queries = _circle([10, 50, 170, 45], [2.0, 1.0, 0.1, 1.0])
@@ -76,9 +78,9 @@ def test_query_gallery_split() -> None:
     _assert_close(
         got,
         {
-            "recall_at_1": 2 / 3,
-            "recall_at_2": 1.0,
-            "recall_at_4": 1.0,
+            "recall_at_1": 2 / 4,
+            "recall_at_2": 3 / 4,
+            "recall_at_4": 3 / 4,
             "map_at_r": (0.5 + 0.25 + 1.0) / 3,
             "r_precision": (0.5 + 0.5 + 1.0) / 3,
             "precision_at_1": 2 / 3,
@@ -209,7 +211,7 @@ def _loop_reference(
     g = gallery / np.linalg.norm(gallery, axis=1, keepdims=True)
     q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
     sims = q.astype(np.float64) @ g.astype(np.float64).T
-    rows = []
+    rows, hit_rows = [], []
     for i in range(len(q)):
         cand = [
             j
@@ -218,13 +220,15 @@ def _loop_reference(
         ]
         rel = [g_labels[j] == q_labels[i] for j in cand]
         r = sum(rel)
+        hits = [any(rel[:k]) for k in recall_ks]
+        hit_rows.append(hits)  # every query, a lone one as a miss
         if r == 0:
             continue
-        hits = [any(rel[:k]) for k in recall_ks]
         map_r = sum(sum(rel[: k + 1]) / (k + 1) for k in range(r) if rel[k]) / r
         rows.append([*hits, rel[0], sum(rel[:r]) / r, map_r])
     m = np.mean(np.asarray(rows, dtype=np.float64), axis=0)
-    out = {f"recall_at_{k}": m[i] for i, k in enumerate(recall_ks)}
+    recall = np.mean(np.asarray(hit_rows, dtype=np.float64), axis=0)
+    out = {f"recall_at_{k}": recall[i] for i, k in enumerate(recall_ks)}
     n = len(recall_ks)
     out.update(map_at_r=m[n + 2], r_precision=m[n + 1], precision_at_1=m[n])
     return out
@@ -292,10 +296,16 @@ def test_parity_with_pytorch_metric_learning(split: bool) -> None:
     else:
         pml = calc.get_accuracy(emb_t, labels_t, emb_t, labels_t, True)
         ours = retrieval_metrics(emb, labels, recall_ks=(1,))
+    counts = np.bincount(labels)[labels] - (0 if split else 1)
+    if split:  # gallery members of each query's class
+        counts = np.array([(labels[n_q:] == y).sum() for y in labels[:n_q]])
+    assert (counts == 0).any()  # lone queries exist: the two conventions differ here
     assert ours["map_at_r"] == pytest.approx(pml["mean_average_precision_at_r"], abs=1e-6)
     assert ours["r_precision"] == pytest.approx(pml["r_precision"], abs=1e-6)
     assert ours["precision_at_1"] == pytest.approx(pml["precision_at_1"], abs=1e-6)
-    assert ours["recall_at_1"] == pytest.approx(pml["precision_at_1"], abs=1e-6)
+    # Recall@1 is P@1 over every query (PML averages P@1 over the queries with R_q > 0).
+    valid = (counts > 0).mean()
+    assert ours["recall_at_1"] == pytest.approx(pml["precision_at_1"] * valid, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------- NMI
