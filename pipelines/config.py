@@ -102,6 +102,12 @@ class ModelConfig:
     layer_norm: bool = doc("LayerNorm without affine on the pooled features (ProxyNCA++)", False)
     embedding_dim: int = doc("embedding size", 64)
     frozen_bn: bool = doc("keep BatchNorm statistics and affine frozen", False)
+    sync_bn: bool = doc(
+        "with more than one worker, trainable BatchNorm layers normalise with the statistics of the "
+        "global batch (SyncBatchNorm), so W workers train the one-worker model; false: each rank's "
+        "own batch, running statistics averaged over the ranks after every epoch",
+        True,
+    )
     frozen_stages: int = doc(
         "freeze the backbone's first N stages, the stem counting as the first (0 = train all): "
         "no gradients and BatchNorm statistics fixed there, which also skips their backward",

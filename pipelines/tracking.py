@@ -45,7 +45,12 @@ class NullTracker:
 
 
 class LocalReporter:
-    """Keeps checkpoints in a folder; for single-process runs and tests without Ray."""
+    """Keeps checkpoints in a folder; for single-process runs and tests without Ray.
+
+    Checkpoint ``checkpoint_<epoch>`` merges the files of every rank (their names differ), so
+    a multi-process run without Ray (gloo, one reporter per rank) writes one checkpoint per
+    epoch, as Ray Train does.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -59,5 +64,5 @@ class LocalReporter:
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         self.history.append(dict(metrics))
         if checkpoint_dir is not None:
-            dest = self.root / f"checkpoint_{len(list(self.root.glob('checkpoint_*'))):06d}"
-            shutil.copytree(checkpoint_dir, dest)
+            dest = self.root / f"checkpoint_{int(metrics['epoch']):06d}"
+            shutil.copytree(checkpoint_dir, dest, dirs_exist_ok=True)

@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from pipelines import distributed as D
 from pipelines.config import Config
-from pipelines.data import DataSplit, build_batch_sampler, build_datasets, dataset_labels
+from pipelines.data import (
+    DataSplit,
+    SeededBatches,
+    SeededSamples,
+    build_batch_sampler,
+    build_datasets,
+    dataset_labels,
+)
 from pipelines.evaluate import embed, retrieval_metrics
 from pipelines.models import EmbeddingModel
 from pipelines.plots import record_isa_state, write_dashboard
@@ -89,13 +98,28 @@ def set_loss_epoch(loss_fn: nn.Module, epoch: int, cfg: Config) -> None:
             m.set_epoch(epoch, memory_start_epoch=cfg.loss.memory_start_epoch)
 
 
-def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device) -> dict[str, float] | None:
-    """Each rank embeds every W-th evaluation item; rank 0 computes the metrics.
+def eval_positions(n: int, batch_size: int, rank: int, world: int) -> list[int]:
+    """The evaluation items rank ``rank`` of ``world`` embeds: every ``world``-th chunk of
+    ``batch_size`` consecutive items, starting at chunk ``rank``.
 
-    With a query/gallery split (In-Shop) queries are searched in the gallery; otherwise every
-    item queries all the others.
+    One process embeds the same chunks in the same order, so every embedding is computed from
+    the same batch whatever the number of ranks: the metrics logged by a W-worker run are
+    those ``proxydml eval`` computes from its checkpoint, to the last bit on CPU.
     """
-    positions = list(range(D.rank(), len(split.test), D.world_size()))
+    chunks = range(rank * batch_size, n, world * batch_size)
+    return [i for start in chunks for i in range(start, min(start + batch_size, n))]
+
+
+def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device) -> dict[str, float] | None:
+    """Each rank embeds its chunks of the evaluation set (:func:`eval_positions`); rank 0
+    computes the metrics.
+
+    Every rank holds the same model (DDP parameters; BatchNorm statistics synchronised or
+    averaged), so the embeddings are those of the checkpointed model. With a query/gallery
+    split (In-Shop) queries are searched in the gallery; otherwise every item queries all the
+    others.
+    """
+    positions = eval_positions(len(split.test), cfg.data.eval_batch_size, D.rank(), D.world_size())
     emb, labels = embed(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size, dev,
                         cfg.data.loader_workers)
     order = torch.tensor(positions, dtype=torch.long)
@@ -133,6 +157,29 @@ def _loss_param_indices(optimizer: torch.optim.Optimizer, loss_fn: nn.Module) ->
     return found
 
 
+def rng_state() -> dict[str, Any]:
+    """Every global random stream the run may draw from (torch CPU and CUDA, numpy, Python)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": random.getstate(),  # (version, 625 ints, gauss_next): plain Python values
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    random.setstate(state["python"])
+
+
 def save_checkpoint(
     directory: Path, cfg: Config, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler, generator: torch.Generator, state: dict[str, Any],
@@ -159,7 +206,8 @@ def save_checkpoint(
     proxy_indices = _loss_param_indices(optimizer, loss_fn)
     opt_state["state"] = {k: v for k, v in opt_state["state"].items() if k not in proxy_indices}
     torch.save(
-        {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "generator": generator.get_state()},
+        {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "generator": generator.get_state(),
+         "rng": rng_state()},
         directory / "optimizer.pt",
     )
     (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -194,6 +242,8 @@ def load_checkpoint(
             scheduler.load_state_dict(opt["scheduler"])
         if generator is not None:
             generator.set_state(opt["generator"])
+            if "rng" in opt:  # checkpoints before 0.2 lack it
+                set_rng_state(opt["rng"])
     return json.loads((directory / "trainer_state.json").read_text())
 
 
@@ -212,6 +262,9 @@ def run(
     split = build_datasets(cfg.data)
     in_channels = split.train[0][0].shape[0]
     model = EmbeddingModel(cfg.model, in_channels).to(dev)
+    if world > 1 and cfg.model.sync_bn:
+        # BatchNorm over the global batch: the W-worker forward is the one-worker forward.
+        D.sync_batch_norm(model, dev)
     generator = torch.Generator().manual_seed(cfg.train.seed)
     # This rank's contiguous class range of the proxies (all of them with one worker).
     shard = ShardContext.from_process_group(split.num_classes)
@@ -228,10 +281,15 @@ def run(
             D.print0(f"resumed from {ckpt} after epoch {start_epoch}")
 
     ddp_model = D.wrap_ddp(model, dev)
-    sampler = build_batch_sampler(
+    # Items are (index, augmentation seed from the global position): crops and flips are the
+    # same for any W and any number of loader processes (pipelines/data/samplers.py). The
+    # loader's own generator only seeds its worker processes, which draw nothing: a private
+    # one keeps it off the global stream.
+    sampler = SeededBatches(build_batch_sampler(
         dataset_labels(split.train), cfg.data, rank=rank, world_size=world, seed=cfg.train.seed
-    )
-    loader = DataLoader(split.train, batch_sampler=sampler, num_workers=cfg.data.loader_workers)
+    ))
+    loader = DataLoader(SeededSamples(split.train), batch_sampler=sampler, num_workers=cfg.data.loader_workers,
+                        generator=torch.Generator().manual_seed(cfg.train.seed))
     backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
     use_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
     metrics: dict[str, float] = {}
@@ -271,6 +329,8 @@ def run(
             if cfg.train.log_every and step % cfg.train.log_every == 0:
                 D.print0(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}")
         scheduler.step()
+        if not cfg.model.sync_bn:
+            D.average_buffers(model)  # one BatchNorm state on every rank to evaluate and save
         train_time = time.perf_counter() - t0
 
         # Embedding every unseen image costs about as much as a tenth of an epoch's training on

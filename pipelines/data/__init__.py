@@ -15,7 +15,14 @@ import torch
 from torch.utils.data import Dataset
 
 from pipelines.config import ConfigError, DataConfig
-from pipelines.data.samplers import BatchSampler, ClassBalancedBatchSampler, ShuffleBatchSampler
+from pipelines.data.samplers import (
+    BatchSampler,
+    ClassBalancedBatchSampler,
+    SeededBatches,
+    SeededSamples,
+    ShuffleBatchSampler,
+    sample_seed,
+)
 
 
 class DataError(ValueError):
@@ -268,7 +275,10 @@ __all__ = [
     "ClassBalancedBatchSampler",
     "DataError",
     "DataSplit",
+    "SeededBatches",
+    "SeededSamples",
     "ShuffleBatchSampler",
+    "sample_seed",
     "TensorImageDataset",
     "build_batch_sampler",
     "build_datasets",

@@ -4,23 +4,39 @@ Each global batch is drawn from a generator seeded by ``(seed, epoch)``; rank ``
 takes the contiguous slice ``[r*B/W, (r+1)*B/W)``. That is what makes a W=2 run see exactly
 the samples of a W=1 run (the distributed equivalence tests rely on it) and what lets a run
 resume on a different number of workers.
+
+Augmentation randomness follows the same rule: :class:`SeededBatches` gives every sample the
+seed ``sample_seed(seed, epoch, global position)`` and :class:`SeededSamples` draws its random
+crop and flip from that seed alone. Sample ``i`` of the global batch stream is then augmented
+identically for any number of workers, any number of DataLoader processes, and after a resume.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch.utils.data import Dataset
 
 
 class BatchSampler(Protocol):
+    """A rank's view of the global batch stream (its slice of every global batch)."""
+
+    batch_size: int  # global
+    rank: int
+    world_size: int
+    seed: int
+    epoch: int
+
     def set_epoch(self, epoch: int) -> None: ...
     def __iter__(self) -> Iterator[list[int]]: ...
     def __len__(self) -> int: ...
 
 
 class _RankSlicer:
+    """Rank ``r`` of ``W`` takes the contiguous slice ``[r*B/W, (r+1)*B/W)`` of each global batch."""
+
     def __init__(self, batch_size: int, rank: int, world_size: int, seed: int) -> None:
         if batch_size % world_size:
             raise ValueError(f"batch size {batch_size} is not divisible by {world_size} workers")
@@ -120,3 +136,56 @@ class ClassBalancedBatchSampler(_RankSlicer):
                     pick = idx[torch.randint(len(idx), (self.samples_per_class,), generator=g)]
                 batch.extend(pick.tolist())
             yield self._slice(batch)
+
+
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """The augmentation seed of the sample at global ``position`` of epoch ``epoch`` (a 63-bit int).
+
+    A multiplicative mix keeps nearby (seed, epoch, position) triples apart; Mersenne
+    Twister's seeding scrambles the rest.
+    """
+    return ((seed * 1_000_003 + epoch) * 2_654_435_761 + position) % (2**63 - 1)
+
+
+class SeededBatches:
+    """A rank's batch sampler whose items are ``(dataset index, augmentation seed)`` pairs.
+
+    The seed comes from the sample's position in the *global* batch stream, not from the
+    rank or the loader process that reads it.
+    """
+
+    def __init__(self, sampler: BatchSampler) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        s = self.sampler
+        per_rank = s.batch_size // s.world_size
+        for step, batch in enumerate(s):
+            first = step * s.batch_size + s.rank * per_rank
+            yield [(i, sample_seed(s.seed, s.epoch, first + j)) for j, i in enumerate(batch)]
+
+
+class SeededSamples(Dataset):
+    """Reads ``dataset[index]`` with the CPU RNG seeded by the item's augmentation seed.
+
+    torchvision's random transforms draw from the global CPU generator; it is forked around
+    each read, so the process's own stream (and CUDA's) is left exactly as it was.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        index, seed = item
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            return self.dataset[index]
