@@ -7,6 +7,7 @@ Every user error (bad config key or value, missing file, unusable data) ends wit
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from pipelines.train import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(Path(args.checkpoint), args.overrides)
-    print(format_metrics(metrics))
+    # --json: every digit (a logged metric and its re-evaluation compare exactly).
+    print(json.dumps(metrics) if args.json else format_metrics(metrics))
     return 0
 
 
@@ -305,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes (data.val_classes=0 "
                         "scores a model trained on a validation split on the test classes)")
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder")
+    ev.add_argument("--json", action="store_true", help="print the metrics as JSON, at full precision")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)
 

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.config import Config
+from pipelines.config import Config, ConfigError
 from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels, with_absolute_root
 from pipelines.models import EmbeddingModel
 from services import mlflow_tracking as mt
@@ -44,6 +44,12 @@ def preflight(cfg: Config) -> int:
     number of training classes.
     """
     split = build_datasets(cfg.data)
+    if cfg.scaling.num_workers > split.num_classes:
+        # Each worker owns a contiguous, non-empty class range of the proxies.
+        raise ConfigError(
+            f"scaling.num_workers ({cfg.scaling.num_workers}) exceeds the {split.num_classes} training "
+            f"classes of data.name={cfg.data.name}: every worker owns the proxies of at least one class"
+        )
     try:  # the sampler refuses batches the training classes cannot fill
         build_batch_sampler(dataset_labels(split.train), cfg.data, rank=0, world_size=cfg.scaling.num_workers,
                             seed=cfg.train.seed)

@@ -40,6 +40,11 @@ def _env():
         (["config", "show", "digits", "model.pooling=median"], "model.pooling must be one of"),
         # Only the built model knows its stage count: the driver builds it before any run opens.
         (["train", "model.frozen_stages=99"], "model.frozen_stages=99, but backbone convnet has 3 stages"),
+        # Proxies are sharded by class: a worker without a class would hang the collectives.
+        (["train", "scaling.num_workers=8"], "scaling.num_workers (8) exceeds the 5 training classes"),
+        # Unequal local batches would abort gloo inside the embedding all-gather.
+        (["train", "scaling.num_workers=5", "data.batch_size=48"],
+         "data.batch_size (48) must be divisible by scaling.num_workers (5)"),
     ],
 )
 def test_bad_input_gives_one_clear_error(tmp_path, args, message):
