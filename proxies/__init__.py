@@ -6,7 +6,7 @@ and owns its proxies as ``loss.proxies`` (C, d), or with a ``shard``
 The math is in :mod:`proxies.functional`, the class sharding in :mod:`proxies.sharding`.
 """
 
-from .base import ProxyLoss
+from .base import HyperParameterError, ProxyLoss
 from .functional import (
     AnchorTerms,
     ISAClassParams,
@@ -30,12 +30,14 @@ from .proxy_isa import ProxyISALoss, effective_number
 from .proxy_nca import ClassicProxyNCALoss, ProxyNCALoss, ProxyNCAPlusPlusLoss
 from .registry import LOSSES, build_loss, loss_parameters
 from .sharding import ShardContext, load_shard_states, shard_state_dict, split_range
+from .softmax import SoftmaxProxyLoss
 from .synthesis import ProxySynthesis, adjacent_distinct_order, sample_beta
 
 __all__ = [
     "LOSSES",
     "AnchorTerms",
     "ClassicProxyNCALoss",
+    "HyperParameterError",
     "ISAClassParams",
     "MemoryQueue",
     "NormSoftmaxLoss",
@@ -46,6 +48,7 @@ __all__ = [
     "ProxyNCAPlusPlusLoss",
     "ProxySynthesis",
     "ShardContext",
+    "SoftmaxProxyLoss",
     "SoftmaxTerms",
     "SyntheticProxies",
     "adjacent_distinct_order",

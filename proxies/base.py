@@ -8,13 +8,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .functional import SyntheticProxies, normalize_rows
+from .functional import SyntheticProxies
 from .sharding import ShardContext
 
 __all__ = [
     "DEFAULT_INIT_SEED",
+    "HyperParameterError",
     "ProxyLoss",
-    "check_positive",
+    "check_int",
+    "check_real",
     "default_generator",
     "fill_rows_",
     "full_precision",
@@ -89,15 +91,39 @@ def full_precision(embeddings: Tensor) -> Tensor:
     return embeddings
 
 
-def check_positive(name: str, value: float, *, strict: bool = True) -> float:
-    """``value`` as a finite float, > 0 (``strict``) or >= 0; ValueError naming ``name`` otherwise."""
+class HyperParameterError(ValueError):
+    """A hyper-parameter value a loss refuses. ``name`` is the constructor argument and the
+    message starts with it ("h must be > 0, got 0.0"), so a caller that knows the argument
+    under another name (the config's ``loss.h``) can prefix it.
+
+    Each hyper-parameter's rule lives in the constructor that takes it, and only there: the
+    config validates by building the loss on a toy size (``pipelines/config.py``).
+    """
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name} {problem}")
+        self.name = name
+
+
+def check_real(name: str, value: object, low: float = 0.0, *, strict: bool = True) -> float:
+    """``value`` as a finite float, > ``low`` (``strict``) or >= ``low``; HyperParameterError
+    naming ``name`` otherwise."""
     try:
-        v = float(value)
+        v = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a number, got {value!r}") from err
-    if not math.isfinite(v) or (v <= 0 if strict else v < 0):
-        raise ValueError(f"{name} must be {'> 0' if strict else '>= 0'} and finite, got {value!r}")
+        raise HyperParameterError(name, f"must be a number, got {value!r}") from err
+    if not math.isfinite(v):
+        raise HyperParameterError(name, f"must be finite, got {value!r}")
+    if v <= low if strict else v < low:
+        raise HyperParameterError(name, f"must be {'>' if strict else '>='} {low:g}, got {value!r}")
     return v
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    """``value`` itself if it is an int (not a bool) >= ``low``; HyperParameterError otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise HyperParameterError(name, f"must be an int >= {low}, got {value!r}")
+    return value
 
 
 class ProxyLoss(nn.Module):
@@ -108,11 +134,9 @@ class ProxyLoss(nn.Module):
     over W ranks) the contiguous class range ``[shard.class_start, shard.class_end)``.
     Sharded, every rank is called with the same (all-gathered) global batch and returns the
     loss of the global batch (see ``proxies/sharding.py``). Subclasses implement
-    :meth:`compute` (a pure function of tensors); the fast built-in losses override
-    :meth:`loss_from` to handle Proxy Synthesis' extra proxies without materialising them
-    and to combine shards. Stateful losses (Proxy-ISA) override :meth:`update_state`, which
-    :meth:`forward` calls in training mode after the loss has been computed from the state
-    before the update.
+    :meth:`loss_from`, the one override point: :meth:`forward` and Proxy Synthesis both call
+    it. Stateful losses (Proxy-ISA) also override :meth:`update_state`, which :meth:`forward`
+    calls in training mode after the loss has been computed from the state before the update.
     """
 
     proxies: nn.Parameter
@@ -196,25 +220,16 @@ class ProxyLoss(nn.Module):
         labels: Tensor,
         synthetic: SyntheticProxies | Tensor | None = None,
     ) -> Tensor:
-        """The loss for given proxies (C_local, d) and optional synthetic proxies.
+        """The loss of ``embeddings`` (B', d) against ``proxies`` (C_local, d) and optional
+        synthetic proxies -> scalar. Implemented by every loss.
 
-        ``labels`` (B,) are shard-local: in ``[0, C_local + n)`` (synthetic j is
+        ``labels`` (B',) are shard-local: in ``[0, C_local + n)`` (synthetic j is
         ``C_local + j``), or -1 where another shard owns the positive; with W = 1 they are
-        the global labels. ``synthetic``: index-described (:class:`SyntheticProxies`) or
-        explicit raw rows (n, d). This default (for losses without a fused path) only
-        supports W = 1.
+        the global labels. ``synthetic``: index-described (:class:`SyntheticProxies`, W = 1;
+        ``synthetic.materialise(proxies)`` gives the explicit (C + n, d) rows) or explicit
+        raw rows (n, d) of this shard (sharded Proxy Synthesis).
         """
-        if self.shard.sharded:
-            raise NotImplementedError(f"{type(self).__name__} has no class-sharded implementation")
-        if isinstance(synthetic, SyntheticProxies):
-            proxies = synthetic.materialise(proxies)
-        elif synthetic is not None:
-            proxies = torch.cat([normalize_rows(proxies), normalize_rows(synthetic)])
-        return self.compute(embeddings, proxies, labels)
-
-    def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
-        """embeddings (B, d), proxies (C', d), labels (B,) in [0, C') -> scalar. Pure."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement loss_from")
 
     def update_state(self, embeddings: Tensor, labels: Tensor) -> None:
         """Per-step state update from the real samples (no-op for stateless losses)."""

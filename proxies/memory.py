@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .base import check_int
+
 __all__ = ["MemoryQueue"]
 
 
@@ -24,12 +26,8 @@ class MemoryQueue(nn.Module):
 
     def __init__(self, size: int, dim: int) -> None:
         super().__init__()
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"memory_size must be an int >= 1, got {size!r}")
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-        self.size = size
-        self.dim = dim
+        self.size = check_int("size", size, 1)
+        self.dim = check_int("dim", dim, 1)
         self.register_buffer("embeddings", torch.zeros(size, dim))
         self.register_buffer("labels", torch.full((size,), -1, dtype=torch.long))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))

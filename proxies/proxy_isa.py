@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import ProxyLoss, check_positive
+from .base import ProxyLoss, check_int, check_real
 from .functional import ISAClassParams, SyntheticProxies, anchor_terms, isa_class_params, normalize_rows
 from .memory import MemoryQueue
-from .proxy_anchor import check_delta
 from .sharding import ShardContext
 
 __all__ = ["ProxyISALoss", "effective_number"]
@@ -76,19 +75,20 @@ class ProxyISALoss(ProxyLoss):
         generator: torch.Generator | None = None,
         shard: ShardContext | None = None,
     ) -> None:
-        self.alpha = check_positive("alpha", alpha)
-        self.delta = check_delta(delta)
-        self.V = check_positive("V", V)
-        if self.V <= 1.0:
-            raise ValueError(f"V must be > 1 (beta = (V - 1) / V in (0, 1)), got {V!r}")
-        self.k = check_positive("k", k, strict=False)
-        self.lam = check_positive("lam", lam, strict=False)
-        self.h = check_positive("h", h)
-        self.tau = check_positive("tau", tau, strict=False)
-        if not isinstance(memory_size, int) or isinstance(memory_size, bool) or memory_size < 1:
-            raise ValueError(f"memory_size must be an int >= 1, got {memory_size!r}")
+        # The rules (every value finite), checked here only (the config builds the loss to check):
+        self.alpha = check_real("alpha", alpha)  # > 0: the scale, as Proxy-Anchor
+        self.delta = check_real("delta", delta, strict=False)  # >= 0: the margin, as Proxy-Anchor
+        self.V = check_real("V", V, 1.0)  # > 1: beta = (V - 1) / V must lie in (0, 1)
+        self.k = check_real("k", k, strict=False)  # >= 0: search-length slope (0: constant)
+        self.lam = check_real("lam", lam, strict=False)  # >= 0: search-length offset
+        # > 0: S_learned = h * mean cosine; h = 0 would pin every S_learned at 0, whatever the
+        # memory holds (the official code and the paper use 0.15).
+        self.h = check_real("h", h)
+        # > 0: the decay sigma_c is a sigmoid in E_c centred at E_c = V - tau, and E_c < V; with
+        # tau <= 0 the centre lies at or beyond what E_c ever reaches (authors: 1.5).
+        self.tau = check_real("tau", tau)
+        self.memory_size = check_int("memory_size", memory_size, 1)
         super().__init__(num_classes, embedding_dim, generator, shard)
-        self.memory_size = memory_size
         # Owner-held: this shard's classes only (all C with W = 1).
         self.register_buffer("count", torch.zeros(self.num_local, dtype=torch.long))
         self.register_buffer("effective_num", torch.zeros(self.num_local))
@@ -132,9 +132,6 @@ class ProxyISALoss(ProxyLoss):
         extra = len(synthetic) if synthetic is not None else 0
         terms = anchor_terms(embeddings, proxies, labels, self.alpha, self.delta, self.class_params(extra), synthetic)
         return self.shard.anchor_loss(terms, isa=True)
-
-    def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
-        return self.loss_from(embeddings, proxies, labels)
 
     @torch.no_grad()
     def update_state(self, embeddings: Tensor, labels: Tensor) -> None:

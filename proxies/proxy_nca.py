@@ -5,21 +5,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import ProxyLoss, check_positive
-from .functional import SyntheticProxies, proxy_nca_loss, softmax_terms
-from .norm_softmax import kaiming_uniform_linear_
+from .base import HyperParameterError
 from .sharding import ShardContext
+from .softmax import SoftmaxProxyLoss
 
 __all__ = ["ClassicProxyNCALoss", "ProxyNCALoss", "ProxyNCAPlusPlusLoss"]
 
 
-class ProxyNCALoss(ProxyLoss):
+class ProxyNCALoss(SoftmaxProxyLoss):
     """``D_ic = |x̂_i - p̂_c|^2 / T``; ``l_i = -log(exp(-D_iy) / sum_c exp(-D_ic))``.
 
     ``assignment_probability=True`` is ProxyNCA++ (the positive is in the denominator,
     equals ``CE(2 S / T, y)`` and PML ``ProxyNCALoss(softmax_scale=1/T)``); ``False`` is
     classic ProxyNCA (positive excluded from the denominator). Default T = 1/9.
     """
+
+    # D = (2 - 2 S) / T: the constant cancels, a softmax over 2 S / T (see proxy_nca_loss).
+    logit_scale = 2.0
 
     def __init__(
         self,
@@ -30,39 +32,18 @@ class ProxyNCALoss(ProxyLoss):
         generator: torch.Generator | None = None,
         shard: ShardContext | None = None,
     ) -> None:
-        self.temperature = check_positive("temperature", temperature)
         if not isinstance(assignment_probability, bool):
-            raise ValueError(f"assignment_probability must be a bool, got {assignment_probability!r}")
-        if not assignment_probability and num_classes < 2:
-            # The denominator would be an empty sum.
-            raise ValueError("classic ProxyNCA (assignment_probability=False) needs num_classes >= 2")
-        self.assignment_probability = assignment_probability
-        super().__init__(num_classes, embedding_dim, generator, shard)
+            raise HyperParameterError("assignment_probability", f"must be a bool, got {assignment_probability!r}")
+        self.exclude_positive = not assignment_probability
+        super().__init__(num_classes, embedding_dim, temperature, generator, shard)
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """The Proxy Synthesis authors' init (nn.Linear's): Kaiming uniform, a = sqrt(5)."""
-        self.init_proxies_(kaiming_uniform_linear_, generator)
-
-    def loss_from(
-        self,
-        embeddings: Tensor,
-        proxies: Tensor,
-        labels: Tensor,
-        synthetic: SyntheticProxies | Tensor | None = None,
-    ) -> Tensor:
-        # D = (2 - 2 S) / T: the constant cancels, a softmax over 2 S / T (see proxy_nca_loss).
-        scale = 2.0 / self.temperature
-        terms = softmax_terms(embeddings, proxies, labels, scale, not self.assignment_probability, synthetic)
-        return self.shard.softmax_loss(terms, labels >= 0)
-
-    def compute(self, embeddings: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
-        return proxy_nca_loss(embeddings, proxies, labels, self.temperature, self.assignment_probability)
+    @property
+    def assignment_probability(self) -> bool:
+        """True for ProxyNCA++ (the positive is in the denominator), False for classic ProxyNCA."""
+        return not self.exclude_positive
 
     def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, temperature={self.temperature:g}, "
-            f"assignment_probability={self.assignment_probability}"
-        )
+        return f"{super().extra_repr()}, assignment_probability={self.assignment_probability}"
 
 
 def randn_over_8_(t: Tensor, generator: torch.Generator) -> Tensor:

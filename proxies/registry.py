@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base import HyperParameterError
 from .norm_softmax import NormSoftmaxLoss
 from .proxy_anchor import ProxyAnchorLoss
 from .proxy_isa import ProxyISALoss
@@ -51,12 +52,6 @@ def loss_parameters(name: str) -> dict[str, Any]:
     }
 
 
-def synthesis_parameters() -> dict[str, Any]:
-    """The Proxy Synthesis keys of a config and their defaults."""
-    sig = inspect.signature(ProxySynthesis.__init__)
-    return {"enabled": False, "alpha": sig.parameters["alpha"].default, "mu": sig.parameters["mu"].default}
-
-
 def build_loss(
     config: Mapping[str, Any],
     num_classes: int,
@@ -68,11 +63,12 @@ def build_loss(
 
     ``config``: ``name`` (a key of LOSSES), that loss' hyper-parameters (None = default),
     optionally ``synthesis``: ``{"enabled": bool, "alpha": float, "mu": float}``. A non-None
-    key the loss does not take raises ValueError naming the key and the loss. ``generator``
-    initialises the proxies and seeds Proxy Synthesis' own generator. ``shard``: build only
-    this rank's shard of the ``num_classes`` proxies (see ``proxies/sharding.py``); every rank
-    must pass a generator in the same state (the proxies of a shard are the same rows of
-    the unsharded init, and Proxy Synthesis draws the same lambdas on every rank).
+    key the loss does not take, or a value it refuses, raises :class:`HyperParameterError`
+    naming the key. ``generator`` initialises the proxies and seeds Proxy Synthesis' own
+    generator. ``shard``: build only this rank's shard of the ``num_classes`` proxies (see
+    ``proxies/sharding.py``); every rank must pass a generator in the same state (the proxies
+    of a shard are the same rows of the unsharded init, and Proxy Synthesis draws the same
+    lambdas on every rank).
     """
     if "name" not in config or config["name"] is None:
         raise ValueError("loss config needs a 'name'")
@@ -83,8 +79,8 @@ def build_loss(
         if key in ("name", "synthesis") or value is None:
             continue
         if key not in allowed:
-            raise ValueError(
-                f"loss {name!r} has no hyper-parameter {key!r}; it takes: {', '.join(allowed) or 'none'}"
+            raise HyperParameterError(
+                key, f"is not a hyper-parameter of loss {name!r}; it takes: {', '.join(allowed) or 'none'}"
             )
         kwargs[key] = value
     loss = _loss_class(name)(num_classes, embedding_dim, generator=generator, shard=shard, **kwargs)

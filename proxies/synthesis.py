@@ -9,11 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import ProxyLoss, check_positive, default_generator, full_precision
+from .base import ProxyLoss, check_real, default_generator, full_precision
 from .functional import SyntheticProxies, normalize_rows
 from .sharding import ShardContext
 
-__all__ = ["ProxySynthesis", "adjacent_distinct_order", "sample_beta"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MU", "ProxySynthesis", "adjacent_distinct_order", "sample_beta"]
+
+# The authors' defaults, the one place they are written (the config's defaults use these).
+# alpha > 0: the Beta(alpha, alpha) parameter; mu >= 0: the synthetic ratio (0 = the base loss).
+DEFAULT_ALPHA = 0.4
+DEFAULT_MU = 1.0
 
 # Without a generator, lambda is drawn from a private generator with this seed (never the
 # global RNG), so two runs with the same config draw the same lambdas.
@@ -115,15 +120,15 @@ class ProxySynthesis(nn.Module):
     def __init__(
         self,
         base_loss: ProxyLoss,
-        alpha: float = 0.4,
-        mu: float = 1.0,
+        alpha: float = DEFAULT_ALPHA,
+        mu: float = DEFAULT_MU,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(base_loss, ProxyLoss):
             raise ValueError(f"base_loss must be a ProxyLoss, got {type(base_loss).__name__}")
-        self.alpha = check_positive("alpha", alpha)
-        self.mu = check_positive("mu", mu, strict=False)
+        self.alpha = check_real("alpha", alpha)
+        self.mu = check_real("mu", mu, strict=False)
         self.base = base_loss
         self.generator = default_generator(generator, DEFAULT_SYNTHESIS_SEED)
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from proxies import (
     LOSSES,
     ClassicProxyNCALoss,
+    HyperParameterError,
     NormSoftmaxLoss,
     ProxyISALoss,
+    ProxyLoss,
     ProxyNCAPlusPlusLoss,
     ProxySynthesis,
     build_loss,
@@ -45,9 +49,42 @@ def test_build_with_hyper_parameters_and_none():
 
 
 def test_unknown_key_names_key_and_loss():
-    with pytest.raises(ValueError, match=r"'proxy_anchor'.*'temperature'"):
+    with pytest.raises(HyperParameterError, match=r"^temperature is not a hyper-parameter of loss 'proxy_anchor'") as err:
         build_loss({"name": "proxy_anchor", "temperature": 0.1}, 4, 3)
+    assert err.value.name == "temperature"
     build_loss({"name": "proxy_anchor", "temperature": None}, 4, 3)  # None = not set
+
+
+# Every hyper-parameter's rule, as its constructor states it: (loss, key, refused, accepted).
+RULES = [
+    ("norm_softmax", "temperature", [0.0, -0.1, math.inf, math.nan], [1e-3, 5.0]),
+    ("proxy_nca", "temperature", [0.0, -1.0, math.nan], [0.1]),
+    ("proxy_nca_pp", "temperature", [0.0, -1.0, math.inf], [0.1]),
+    ("proxy_anchor", "alpha", [0.0, -32.0, math.nan], [1e-3, 64.0]),
+    ("proxy_anchor", "delta", [-0.1, math.nan], [0.0, 0.5]),
+    ("proxy_isa", "alpha", [0.0, -1.0], [16.0]),
+    ("proxy_isa", "delta", [-0.01, math.inf], [0.0, 0.2]),
+    ("proxy_isa", "V", [1.0, 0.5, -2.0, math.nan], [1.5, 1000.0]),
+    ("proxy_isa", "k", [-0.1, math.nan], [0.0, 2.0]),
+    ("proxy_isa", "lam", [-0.1, math.inf], [0.0, 0.3]),
+    ("proxy_isa", "h", [0.0, -0.15, math.nan], [1e-3, 1.0]),
+    ("proxy_isa", "tau", [0.0, -1.0, math.nan], [1e-3, 3.0]),
+    ("proxy_isa", "memory_size", [0, -5, 2.5, True], [1, 64]),
+]
+
+
+def test_rules_cover_every_hyper_parameter():
+    assert {(name, key) for name, key, _, _ in RULES} == {(n, k) for n in LOSSES for k in loss_parameters(n)}
+
+
+@pytest.mark.parametrize(("name", "key", "refused", "accepted"), RULES, ids=lambda v: str(v))
+def test_each_hyper_parameter_has_one_rule_in_its_constructor(name, key, refused, accepted):
+    for value in refused:
+        with pytest.raises(HyperParameterError, match=rf"^{key} must be") as err:
+            build_loss({"name": name, key: value}, 2, 2)
+        assert err.value.name == key
+    for value in accepted:
+        assert getattr(build_loss({"name": name, key: value}, 2, 2), key) == value
 
 
 @pytest.mark.parametrize(
@@ -104,3 +141,9 @@ def test_constructor_and_input_validation():
         loss(torch.randn(2, 5), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="long"):
         loss(torch.randn(2, 2), torch.tensor([0.0, 1.0]))
+
+
+def test_every_loss_has_one_override_point():
+    # forward and Proxy Synthesis (also sharded) both call loss_from; nothing else computes.
+    for cls in LOSSES.values():
+        assert cls.loss_from is not ProxyLoss.loss_from and not hasattr(cls, "compute")
