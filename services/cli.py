@@ -22,7 +22,11 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
         for key, typ, text in describe():
             print(f"{key:32s} {typ:18s} {text}")
         return 0
-    cfg = load_config(args.recipe, args.overrides)
+    # The recipe as in train (--config RECIPE) or as the first positional argument.
+    recipe, overrides = args.config, list(args.items)
+    if recipe is None and overrides and "=" not in overrides[0]:
+        recipe = overrides.pop(0)
+    cfg = load_config(recipe, overrides)
     print(f"# run name: {cfg.run_name()}")
     print(cfg.to_yaml(), end="")
     return 0
@@ -273,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_p = sub.add_parser("config", help="inspect configurations")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
     show = cfg_sub.add_parser("show", help="print the resolved config of a recipe")
-    show.add_argument("recipe", nargs="?", default=None, help="recipe name or YAML path")
-    show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    show.add_argument("--config", default=None, help="recipe name or YAML path (as in train)")
+    show.add_argument("items", nargs="*", metavar="[RECIPE] key=value",
+                      help="the recipe (when --config is not given) and dotted key=value overrides")
     show.add_argument("--keys", action="store_true", help="list every config key with its doc")
     show.set_defaults(func=_cmd_config_show)
 

@@ -38,6 +38,11 @@ def _env():
         (["train", "--config", "missing_recipe"], "config file 'missing_recipe' not found"),
         (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint folder /nonexistent/ckpt does not exist"),
         (["config", "show", "digits", "model.pooling=median"], "model.pooling must be one of"),
+        # Every loss value is checked by the loss's own constructor, before any worker starts.
+        (["config", "show", "emoji_proxy_isa", "loss.h=0"], "loss.h must be > 0"),
+        (["config", "show", "emoji_proxy_isa", "loss.tau=-1"], "loss.tau must be > 0"),
+        (["config", "show", "--config", "emoji_proxy_anchor", "loss.delta=-0.1"], "loss.delta must be >= 0"),
+        (["train", "loss.name=proxy_isa", "loss.h=0"], "loss.h must be > 0"),
         # Only the built model knows its stage count: the driver builds it before any run opens.
         (["train", "model.frozen_stages=99"], "model.frozen_stages=99, but backbone convnet has 3 stages"),
         # Proxies are sharded by class: a worker without a class would hang the collectives.
@@ -87,3 +92,10 @@ def test_config_show_prints_the_resolved_recipe(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "name: proxy_isa" in out.stdout and "k: 0.4" in out.stdout
     assert out.stdout.startswith("# run name: cub-proxy_isa-s0-")
+
+
+def test_config_show_takes_the_recipe_as_train_does(tmp_path):
+    out = proxydml("config", "show", "--config", "digits", "loss.alpha=16", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == proxydml("config", "show", "digits", "loss.alpha=16", cwd=tmp_path).stdout
+    assert "name: digits" in out.stdout and "alpha: 16.0" in out.stdout
