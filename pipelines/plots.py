@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
+from pipelines.data import class_names
 from pipelines.evaluate import embed
 from pipelines.tracking import NullTracker
 
@@ -191,6 +192,14 @@ def choose_queries(labels: Tensor, num_queries: int, seed: int = 0) -> Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def _class_label(label: int, names: Sequence[str] | None, width: int = 22) -> str:
+    """``names[label]`` shortened to ``width`` characters, or "class <label>"."""
+    if names is None or not 0 <= label < len(names):
+        return f"class {label}"
+    name = names[label]
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def plot_retrieval_grid(
     embeddings: Tensor,
     labels: Tensor,
@@ -200,12 +209,14 @@ def plot_retrieval_grid(
     k: int = 5,
     tile: int = 72,
     seed: int = 0,
+    names: Sequence[str] | None = None,
 ) -> Path:
     """Rows: a query from an unseen class, then its top-``k`` neighbours by cosine similarity.
 
     ``embeddings`` (N, d) and ``labels`` (N,) are aligned with ``image_at(i)`` -> image
     (C, H, W) float in [0, 1] (clamped for display; 1 channel shown as grey). Borders: blue
-    the query, green a neighbour of the same class, red one of another class.
+    the query, green a neighbour of the same class, red one of another class. Rows are
+    labelled ``names[label]`` when given (the data set's class names), else "class <label>".
     """
     labels = labels.cpu()
     queries = choose_queries(labels, num_queries, seed)
@@ -237,7 +248,7 @@ def plot_retrieval_grid(
     centres = [c * (cell + gap) + (gap if c else 0) + cell / 2 for c in range(k + 1)]
     ax.set_xticks(centres, ["query", *[f"#{i}" for i in range(1, k + 1)]])
     ax.set_yticks([r * (cell + gap) + cell / 2 for r in range(len(queries))],
-                  [f"class {int(labels[q])}" for q in queries.tolist()])
+                  [_class_label(int(labels[q]), names) for q in queries.tolist()])
     ax.tick_params(length=0)
     ax.xaxis.tick_top()
     for spine in ax.spines.values():
@@ -504,7 +515,7 @@ def write_plots(
         rows, emb, labels = embedded
         assert dataset is not None
         jobs.append((RETRIEVAL_GRID, lambda: plot_retrieval_grid(
-            emb, labels, lambda i: dataset[rows[i]][0], folder / RETRIEVAL_GRID)))
+            emb, labels, lambda i: dataset[rows[i]][0], folder / RETRIEVAL_GRID, names=class_names(dataset))))
         jobs.append((EMBEDDING_MAP, lambda: plot_embedding_map(emb, labels, folder / EMBEDDING_MAP)))
     proxies = getattr(loss_fn, "proxies", None) if loss_fn is not None else None
     if isinstance(proxies, Tensor):

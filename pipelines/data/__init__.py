@@ -76,6 +76,16 @@ def dataset_labels(dataset: Dataset) -> list[int]:
     return list(targets)
 
 
+def class_names(dataset: Dataset) -> list[str] | None:
+    """The readable name of each label of ``dataset`` (index = label), if it knows them.
+
+    Image folders and the standard benchmarks name classes by folder or id, the emoji set by
+    the emoji's name; in-memory data sets (digits) have none.
+    """
+    names = getattr(dataset, "names", None) or getattr(dataset, "classes", None)
+    return [str(n) for n in names] if names is not None else None
+
+
 def check_split(split: DataSplit, name: str) -> DataSplit:
     """Refuse datasets that cannot train or evaluate a metric-learning model."""
     train_classes = set(dataset_labels(split.train))
@@ -283,6 +293,7 @@ __all__ = [
     "build_batch_sampler",
     "build_datasets",
     "check_split",
+    "class_names",
     "check_training_classes",
     "dataset_labels",
     "hold_out_classes",

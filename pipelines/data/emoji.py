@@ -633,8 +633,10 @@ def emoji_split(cfg: DataConfig) -> DataSplit:
         keys = sorted({r["key"] for r in chosen})
         label = {k: i for i, k in enumerate(keys)}
         tf = train_transform(cfg, size) if part == "train" else eval_transform(cfg, size)
+        name_of = {r["key"]: r["name"] for r in chosen}
         parts[part] = ImageListDataset(
             [(root / r["file"], label[r["key"]]) for r in chosen], tf, f"emoji/{part}", classes=keys,
+            names=[name_of[k] for k in keys],
         )
     families = sorted({r["family"] for r in rows})
     fam_id = {f: i for i, f in enumerate(families)}

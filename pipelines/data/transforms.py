@@ -61,6 +61,7 @@ class ImageListDataset(Dataset):
         transform: Transform,
         name: str,
         classes: Sequence[str] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         from pipelines.data import DataError
 
@@ -68,6 +69,8 @@ class ImageListDataset(Dataset):
         self.transform = transform
         self.name = name
         self.classes = list(classes) if classes is not None else sorted({str(y) for _, y in self.samples})
+        # What a person reads for label y (e.g. an emoji's name where ``classes`` holds code points).
+        self.names = list(names) if names is not None else self.classes
         missing = [p for p, _ in self.samples if not p.is_file()]
         if missing:
             raise DataError(

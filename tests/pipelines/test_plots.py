@@ -84,6 +84,32 @@ def test_retrieval_grid_marks_right_and_wrong(tmp_path, toy):
     assert has_colour(rgb, plots._RIGHT) and has_colour(rgb, plots._WRONG) and has_colour(rgb, plots._QUERY)
 
 
+def test_retrieval_grid_rows_are_named_by_the_data_set(tmp_path, toy, monkeypatch):
+    from PIL import Image
+
+    from pipelines.data import class_names
+    from pipelines.data.transforms import ImageListDataset
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "a.png")
+    ds = ImageListDataset([(tmp_path / "a.png", 0), (tmp_path / "a.png", 1)], lambda im: im, "toy",
+                          classes=["1f600", "1f601"], names=["grinning face", "beaming face with smiling eyes"])
+    assert class_names(ds) == ["grinning face", "beaming face with smiling eyes"]
+    assert plots._class_label(1, class_names(ds)) == "beaming face with smi…"  # 22 characters, the last an ellipsis
+    assert plots._class_label(7, None) == "class 7"
+    seen: list[str] = []
+    real = plots._save
+
+    def record(fig, path):
+        seen.extend(t.get_text() for t in fig.axes[0].get_yticklabels())
+        return real(fig, path)
+
+    monkeypatch.setattr(plots, "_save", record)
+    emb, labels, images = toy
+    names = [f"kind {c}" for c in range(C)]
+    plots.plot_retrieval_grid(emb, labels, lambda i: images[i][0], tmp_path / "g.png", num_queries=3, names=names)
+    assert len(seen) == 3 and all(label.startswith("kind ") for label in seen)
+
+
 def test_neighbours_exclude_the_query_and_queries_span_classes(toy):
     emb, labels, _ = toy
     queries = plots.choose_queries(labels, 4)
