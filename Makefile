@@ -1,13 +1,13 @@
 # ProxyDML: two commands on a fresh machine.
 #   make demo  - creates .venv, installs, builds the emoji set, trains ProxyNCA++ on a local Ray cluster
-#   make test  - creates .venv, installs, runs the whole test suite
+#   make test  - creates .venv, installs, runs the whole test suite (make test-fast: the unit tier)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test install lint bench clean browser
+.PHONY: demo test test-fast install lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/ruff check proxies pipelines services tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit tier, for every edit: no Ray cluster, no servers, no worker processes (< 2 min).
+FAST := not ray and not e2e and not emoji and not multiprocess
+test-fast: $(STAMP)
+	$(BIN)/ruff check proxies pipelines services tests
+	$(BIN)/python -m pytest -m "$(FAST)" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/bench_eval.py

@@ -25,6 +25,22 @@ def ray_cluster():
 
 
 @pytest.fixture
+def digits_config():
+    """Builds the small Ray run most service tests train: the ``digits`` recipe on 2 workers,
+    tracked at ``uri`` with checkpoints under ``storage``, plus any overrides."""
+    from pipelines.config import Config, load_config
+
+    def build(uri: str, storage: str | os.PathLike[str], *extra: str, epochs: int = 2, steps: int = 0,
+              workers: int = 2) -> Config:
+        return load_config("digits", [
+            f"train.epochs={epochs}", f"train.max_steps_per_epoch={steps}", f"scaling.num_workers={workers}",
+            f"tracking.tracking_uri={uri}", f"tracking.storage_path={storage}", *extra,
+        ])
+
+    return build
+
+
+@pytest.fixture
 def local_mlflow(tmp_path):
     """A fresh embedded sqlite tracking store for one test."""
     from services.mlflow_tracking import local_store

@@ -11,17 +11,14 @@ run. One spawn per world size runs all the losses (the workers are in sharded_wo
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+from tests.distributed import sharded_workers as workers
 
-from tests.distributed import sharded_workers as workers  # noqa: E402
+pytestmark = pytest.mark.multiprocess
 
 
 def _spawn(fn, world: int, tmp_path: Path, *args) -> None:

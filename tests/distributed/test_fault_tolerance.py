@@ -16,20 +16,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.config import load_config
 from services import training
 
 pytestmark = pytest.mark.ray
 
 EPOCHS = 6
-
-
-def _cfg(tmp_path, uri, name, *extra):
-    return load_config("digits", [
-        f"train.epochs={EPOCHS}", "scaling.num_workers=2", "scaling.max_failures=2",
-        "data.image_size=24", f"tracking.tracking_uri={uri}", f"tracking.storage_path={tmp_path / 'runs'}",
-        f"tracking.run_name={name}", *extra,
-    ])
 
 
 def _train_worker_pids() -> list[int]:
@@ -39,10 +30,15 @@ def _train_worker_pids() -> list[int]:
     return [a.pid for a in actors]
 
 
-def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(ray_cluster, tmp_path, local_mlflow):
-    reference = training.train(_cfg(tmp_path, local_mlflow, "uninterrupted"), log_model=False)
+def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(ray_cluster, tmp_path, local_mlflow,
+                                                                             digits_config):
+    def cfg_named(name: str):
+        return digits_config(local_mlflow, tmp_path / "runs", "scaling.max_failures=2", "data.image_size=24",
+                             f"tracking.run_name={name}", epochs=EPOCHS)
 
-    cfg = _cfg(tmp_path, local_mlflow, "killed")
+    reference = training.train(cfg_named("uninterrupted"), log_model=False)
+
+    cfg = cfg_named("killed")
     run_dir = tmp_path / "runs" / "killed"
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(result=training.train(cfg, log_model=False)))

@@ -12,18 +12,15 @@ stopped after epoch 2 and resumed ends bit-identical to the uninterrupted one, a
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+from pipelines.train import evaluate_checkpoint
+from tests.distributed import whole_run_workers as workers
 
-from pipelines.train import evaluate_checkpoint  # noqa: E402
-from tests.distributed import whole_run_workers as workers  # noqa: E402
+pytestmark = pytest.mark.multiprocess
 
 LAST = "checkpoint_000003"
 # Float32 tolerance of W workers against one. The global batch's gradient is summed in

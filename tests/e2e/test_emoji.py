@@ -50,11 +50,18 @@ def test_tiny_build_is_complete_counted_and_idempotent(tiny):
     assert (summary["classes"], summary["train_classes"], summary["test_classes"]) == (64, 32, 32)
     assert summary["images"] == 320 and summary["size"] == 32
     assert summary["families"] == ["fluent", "google", "openmoji", "twitter"]
-    assert summary["duplicate_images_across_classes"] >= 0  # counted and reported, never dropped
     with (tiny / "manifest.csv").open() as f:
         f.readline()
         rows = list(csv.DictReader(f))
     assert len(rows) == 320
+    # Duplicates are counted and reported, never dropped: the summary's count is that of the
+    # manifest's rows whose bytes equal an image of another class.
+    classes_by_hash: dict[str, set[str]] = {}
+    for r in rows:
+        classes_by_hash.setdefault(r["sha256"], set()).add(r["key"])
+    shared = sum(1 for r in rows if len(classes_by_hash[r["sha256"]]) > 1)
+    assert summary["duplicate_images_across_classes"] == shared
+    assert summary["duplicate_groups"] == sum(1 for keys in classes_by_hash.values() if len(keys) > 1)
     assert {r["category"] for r in rows}.isdisjoint({"Flags", "Component"})
     for r in rows[:40]:
         assert hashlib.sha256((tiny / r["file"]).read_bytes()).hexdigest() == r["sha256"]
