@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from .sharding import ShardContext
-from .softmax import SoftmaxProxyLoss
+from .softmax import SoftmaxProxyLoss, kaiming_uniform_linear_
 
-__all__ = ["NormSoftmaxLoss"]
+# kaiming_uniform_linear_ (its proxy init) stays importable from here, where it was defined.
+__all__ = ["NormSoftmaxLoss", "kaiming_uniform_linear_"]
 
 
 class NormSoftmaxLoss(SoftmaxProxyLoss):
