@@ -1,6 +1,8 @@
 """Losses by name, their hyper-parameters, and building one from a config mapping.
 
-Adding a loss: one file with a :class:`~proxies.base.ProxyLoss` subclass, one line in LOSSES.
+Adding a loss: one file with a :class:`~proxies.base.ProxyLoss` subclass (its hyper-parameters
+are constructor arguments, each with its default and its check), one line in LOSSES, and one
+``LossConfig`` field per new hyper-parameter (tests/pipelines/test_config.py checks that).
 """
 
 from __future__ import annotations
