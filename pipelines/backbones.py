@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from pipelines.config import ModelConfig
 
 __all__ = [
     "BACKBONE_BUILDERS",
+    "StagedBackbone",
     "BNInception",
     "EfficientNetLite0",
     "bninception",
@@ -35,6 +37,19 @@ __all__ = [
     "load_weights",
     "resnet50",
 ]
+
+class StagedBackbone(Protocol):
+    """What ``model.frozen_stages`` and the evaluation cache need from a backbone.
+
+    ``stages()`` lists the modules of each stage, the stem first; ``forward_stages(x, a, b)``
+    runs stages ``[a, b)`` (``b`` None: to the end), so ``forward(x)`` is
+    ``forward_stages(x, 0, None)`` and a frozen prefix's output can be kept and fed back.
+    """
+
+    def stages(self) -> list[list[nn.Module]]: ...
+
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
+
 
 # ImageNet statistics for torchvision models (RGB, [0, 1] inputs).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -205,11 +220,25 @@ class EfficientNetLite0(nn.Module):
             first += repeats
         return out + [[self._conv_head, self._bn1]]
 
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Stages ``[start, stop)`` of :meth:`stages` (images in for ``start`` 0)."""
+        last = len(_LITE0_STAGES) + 1
+        stop = last + 1 if stop is None else stop
+        first_block = sum(r for r, *_ in _LITE0_STAGES[: max(start - 1, 0)])
+        for i in range(start, stop):
+            if i == 0:
+                x = F.relu6(self._bn0(self._conv_stem(self.normalize(x))))
+            elif i == last:
+                x = F.relu6(self._bn1(self._conv_head(x)))
+            else:
+                repeats = _LITE0_STAGES[i - 1][0]
+                for block in self._blocks[first_block : first_block + repeats]:
+                    x = block(x)
+                first_block += repeats
+        return x
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = F.relu6(self._bn0(self._conv_stem(self.normalize(images))))
-        for block in self._blocks:
-            x = block(x)
-        return F.relu6(self._bn1(self._conv_head(x)))
+        return self.forward_stages(images)
 
     def classify(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``(N, 3, H, W)`` in ``[0, 1]`` -> ImageNet logits ``(N, 1000)`` (eval mode)."""
@@ -262,9 +291,15 @@ class _ResNetFeatures(nn.Module):
         """Stem (conv1, bn1), then layer1 .. layer4."""
         return [[self.conv1, self.bn1], [self.layer1], [self.layer2], [self.layer3], [self.layer4]]
 
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Stages ``[start, stop)`` of :meth:`stages` (images in for ``start`` 0)."""
+        layers = [self.layer1, self.layer2, self.layer3, self.layer4]
+        for i in range(start, 5 if stop is None else stop):
+            x = self.maxpool(self.relu(self.bn1(self.conv1(self.normalize(x))))) if i == 0 else layers[i - 1](x)
+        return x
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(self.normalize(images)))))
-        return self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.forward_stages(images)
 
 
 def resnet50(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
@@ -340,12 +375,25 @@ class BNInception(nn.Module):
     def _cbr(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.relu(getattr(self, f"{name}_bn")(getattr(self, name)(x)))
 
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Stages ``[start, stop)`` of :meth:`stages`: the stem, then inception groups 3, 4, 5."""
+        for i in range(start, 4 if stop is None else stop):
+            x = self._stem(x) if i == 0 else self._inception_group(x, "345"[i - 1])
+        return x
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_stages(images)
+
+    def _stem(self, images: torch.Tensor) -> torch.Tensor:
         x = self._cbr("conv1_7x7_s2", self.normalize(images))
         x = F.max_pool2d(x, 3, 2, ceil_mode=True)
         x = self._cbr("conv2_3x3", self._cbr("conv2_3x3_reduce", x))
-        x = F.max_pool2d(x, 3, 2, ceil_mode=True)
+        return F.max_pool2d(x, 3, 2, ceil_mode=True)
+
+    def _inception_group(self, x: torch.Tensor, group: str) -> torch.Tensor:
         for name, _cin, c1, _r3, _c3, _rd, _cd, pool, _proj, stride in self._spec:
+            if not name.startswith(group):
+                continue
             p = f"inception_{name}"
             branches = []
             if c1:

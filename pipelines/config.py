@@ -76,6 +76,11 @@ class DataConfig:
         "on them instead of the unseen classes: choose hyper-parameters without looking at the test "
         "classes, then retrain with 0 to report (0 = evaluate on the unseen classes)", 0
     )
+    eval_cache_mb: int = doc(
+        "with model.frozen_stages, keep the frozen stages' outputs for the evaluation images in memory "
+        "(at most this many MiB per worker) so later evaluations run only the trainable top; same "
+        "scores (0 = off)", 2048
+    )
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size)
@@ -93,6 +98,7 @@ class DataConfig:
         _non_negative("data.image_size", self.image_size)
         _non_negative("data.loader_workers", self.loader_workers)
         _non_negative("data.val_classes", self.val_classes)
+        _non_negative("data.eval_cache_mb", self.eval_cache_mb)
         if self.samples_per_class == 1:
             raise ConfigError("data.samples_per_class: 1 gives no positives; use 0 or >= 2")
         if self.samples_per_class and self.batch_size % self.samples_per_class:
@@ -312,6 +318,7 @@ class Config:
         d["train"].pop("epochs")
         d["train"].pop("eval_every")  # how often we look does not change what is trained
         d["model"].pop("channels_last")  # memory layout: float rounding only
+        d["data"].pop("eval_cache_mb")  # the cache gives the uncached scores, bit for bit
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 

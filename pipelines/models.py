@@ -30,6 +30,12 @@ class _ConvNet(nn.Sequential):
         layers = list(self)
         return [layers[i : i + 3] for i in range(0, len(layers), 3)]
 
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Conv blocks ``[start, stop)``."""
+        for layer in list(self)[3 * start : None if stop is None else 3 * stop]:
+            x = layer(x)
+        return x
+
 
 def _convnet(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
     return _ConvNet(in_channels, cfg.width), 2 * cfg.width
@@ -77,6 +83,7 @@ class EmbeddingModel(nn.Module):
                     m.requires_grad_(False)
         # A plain list, not a ModuleList: these modules are already registered in the backbone.
         self._frozen: list[nn.Module] = frozen_stage_modules(self.backbone, cfg)
+        self.frozen_depth = cfg.frozen_stages  # stages run by frozen_features
         for m in self._frozen:
             # No parameter before the first trainable layer needs a gradient, so autograd
             # records nothing there: the frozen stages' backward is skipped, not just discarded.
@@ -86,12 +93,23 @@ class EmbeddingModel(nn.Module):
             self.backbone.to(memory_format=torch.channels_last)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.from_frozen(self.frozen_features(images))
+
+    def frozen_features(self, images: torch.Tensor) -> torch.Tensor:
+        """images (N, C, H, W) -> the output of the frozen stages (``model.frozen_stages``; the
+        images themselves when none are frozen). Constant for a given image while training,
+        which is what the evaluation cache keeps (pipelines/evaluate.py)."""
         if self.channels_last and images.dim() == 4:
             # NHWC: oneDNN's (CPU) and cuDNN's (tensor cores) fast convolution layout; measured
             # 1.16 s vs 1.72 s for a Lite0 forward + backward at batch 64, 128 px on 2 cores
             # (tests/benchmarks/bench_backbone.py).
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.head(self.norm(self.pool(self.backbone(images))))
+        return self.backbone.forward_stages(images, 0, self.frozen_depth) if self.frozen_depth else images
+
+    def from_frozen(self, features: torch.Tensor) -> torch.Tensor:
+        """:meth:`frozen_features` output -> embeddings (N, embedding_dim): the trainable rest."""
+        x = self.backbone.forward_stages(features, self.frozen_depth) if self.frozen_depth else self.backbone(features)
+        return self.head(self.norm(self.pool(x)))
 
     def train(self, mode: bool = True) -> EmbeddingModel:
         super().train(mode)

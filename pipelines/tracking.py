@@ -8,9 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
+
+
+class Progress(Protocol):
+    """A progress bar (tqdm's interface): ``update`` after each step, ``close`` at the end."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def close(self) -> object: ...
+
+
+class NullProgress:
+    """No bar: ranks other than 0, ``--quiet``, or output that is not a terminal."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Reporter(Protocol):
@@ -19,6 +38,10 @@ class Reporter(Protocol):
     def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
 
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None: ...
+
+    def progress(self, total: int, description: str) -> Progress:
+        """The bar of one epoch on rank 0 (steps, steps/s and ETA), shown where the user looks."""
+        ...
 
 
 class Tracker(Protocol):
@@ -52,9 +75,18 @@ class LocalReporter:
     epoch, as Ray Train does.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, show_progress: bool | None = None) -> None:
         self.root = Path(root)
         self.history: list[dict[str, float]] = []
+        # None: a bar only when stderr is a terminal (never in logs or CI output).
+        self.show_progress = sys.stderr.isatty() if show_progress is None else show_progress
+
+    def progress(self, total: int, description: str) -> Progress:
+        if not self.show_progress:
+            return NullProgress()
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=description, unit="step", leave=False, dynamic_ncols=True)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:

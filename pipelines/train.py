@@ -32,10 +32,11 @@ from pipelines.data import (
     build_datasets,
     dataset_labels,
 )
-from pipelines.evaluate import embed, retrieval_metrics
+from pipelines.eval_cache import FrozenFeatureCache, embed_frozen_cached
+from pipelines.evaluate import retrieval_metrics
 from pipelines.models import EmbeddingModel
 from pipelines.plots import record_isa_state, write_dashboard
-from pipelines.tracking import NullTracker, Reporter, Tracker
+from pipelines.tracking import NullProgress, NullTracker, Reporter, Tracker
 from proxies import ShardContext, build_loss, load_shard_states, shard_state_dict
 
 # The files every checkpoint has (rank 0 writes them). Rank r > 0 adds its proxy shard as
@@ -110,18 +111,19 @@ def eval_positions(n: int, batch_size: int, rank: int, world: int) -> list[int]:
     return [i for start in chunks for i in range(start, min(start + batch_size, n))]
 
 
-def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device) -> dict[str, float] | None:
+def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
+             cache: FrozenFeatureCache | None = None) -> dict[str, float] | None:
     """Each rank embeds its chunks of the evaluation set (:func:`eval_positions`); rank 0
     computes the metrics.
 
     Every rank holds the same model (DDP parameters; BatchNorm statistics synchronised or
     averaged), so the embeddings are those of the checkpointed model. With a query/gallery
     split (In-Shop) queries are searched in the gallery; otherwise every item queries all the
-    others.
+    others. ``cache`` keeps the frozen stages' outputs across calls (same embeddings, to the bit).
     """
     positions = eval_positions(len(split.test), cfg.data.eval_batch_size, D.rank(), D.world_size())
-    emb, labels = embed(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size, dev,
-                        cfg.data.loader_workers)
+    emb, labels = embed_frozen_cached(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size,
+                                      dev, cfg.data.loader_workers, cache)
     order = torch.tensor(positions, dtype=torch.long)
     emb, labels, order = (D.gather_rows(t.to(dev)).cpu() for t in (emb, labels, order))
     if D.rank() != 0:
@@ -293,7 +295,9 @@ def run(
     backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
     use_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
     metrics: dict[str, float] = {}
-    isa_states: list[dict[str, Any]] = []  # Proxy-ISA state per epoch, for the dashboard (rank 0)
+    isa_states: list[dict[str, Any]] = []
+    # The frozen stages' outputs for this rank's evaluation chunks, computed once per run.
+    eval_cache = FrozenFeatureCache(cfg.data.eval_cache_mb * 2**20)  # Proxy-ISA state per epoch, for the dashboard (rank 0)
 
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.perf_counter()
@@ -302,8 +306,10 @@ def run(
         warmup = epoch < cfg.optim.warmup_epochs
         ddp_model.train()
         total, steps = 0.0, 0
+        n_steps = min(len(loader), cfg.train.max_steps_per_epoch or len(loader))
+        bar = reporter.progress(n_steps, f"epoch {epoch + 1}/{cfg.train.epochs}") if rank == 0 else NullProgress()
         for step, (images, labels, _) in enumerate(loader):
-            if cfg.train.max_steps_per_epoch and step >= cfg.train.max_steps_per_epoch:
+            if step >= n_steps:
                 break
             images, labels = images.to(dev, non_blocking=True), labels.to(dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -326,8 +332,10 @@ def run(
             optimizer.step()
             total += loss.item()
             steps += 1
+            bar.update()
             if cfg.train.log_every and step % cfg.train.log_every == 0:
                 D.print0(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}")
+        bar.close()
         scheduler.step()
         if not cfg.model.sync_bn:
             D.average_buffers(model)  # one BatchNorm state on every rank to evaluate and save
@@ -336,7 +344,7 @@ def run(
         # Embedding every unseen image costs about as much as a tenth of an epoch's training on
         # CPU; long runs can look less often, but the last epoch is always scored.
         last = epoch + 1 == cfg.train.epochs
-        evaluated = evaluate(ddp_model, split, cfg, dev) if last or (epoch + 1) % cfg.train.eval_every == 0 else None
+        evaluated = evaluate(ddp_model, split, cfg, dev, eval_cache) if last or (epoch + 1) % cfg.train.eval_every == 0 else None
         metrics = {
             "epoch": epoch + 1,
             "loss": total / max(steps, 1),
