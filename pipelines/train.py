@@ -42,6 +42,8 @@ from proxies import ShardContext, build_loss, load_shard_states, shard_state_dic
 # The files every checkpoint has (rank 0 writes them). Rank r > 0 adds its proxy shard as
 # loss.rank{r}.pt (loss_shard_file): loss.pt is rank 0's shard, so a one-worker checkpoint
 # is exactly these files.
+# Wall-clock metrics: they differ between otherwise identical runs (equivalence tests skip them).
+TIMING_METRICS = ("epoch_time_s", "eval_time_s")
 CHECKPOINT_FILES = ("model.pt", "loss.pt", "optimizer.pt", "trainer_state.json", "config.yaml")
 
 
@@ -344,13 +346,15 @@ def run(
         # Embedding every unseen image costs about as much as a tenth of an epoch's training on
         # CPU; long runs can look less often, but the last epoch is always scored.
         last = epoch + 1 == cfg.train.epochs
-        evaluated = evaluate(ddp_model, split, cfg, dev, eval_cache) if last or (epoch + 1) % cfg.train.eval_every == 0 else None
+        evaluated, t_eval = None, time.perf_counter()
+        if last or (epoch + 1) % cfg.train.eval_every == 0:
+            evaluated = evaluate(ddp_model, split, cfg, dev, eval_cache)
         metrics = {
             "epoch": epoch + 1,
             "loss": total / max(steps, 1),
             "lr": optimizer.param_groups[1]["lr"],
             "epoch_time_s": train_time,
-            **(evaluated or {}),
+            **({"eval_time_s": time.perf_counter() - t_eval, **evaluated} if evaluated else {}),
         }
         if rank == 0:
             history.append({k: float(v) for k, v in metrics.items()})

@@ -17,6 +17,8 @@ Usage (full: ~1 h on 2 CPU cores; ``--epochs 1 --max-steps 20`` for a quick look
     # choose on 300 held-out seen classes instead of the unseen half, try two scoring sizes
     .venv/bin/python tests/benchmarks/bench_emoji.py --losses proxy_nca_pp --no-ps --no-baselines \
         --set data.val_classes=300 --eval-scales 1.0 1.5
+    # per-epoch evaluation time against training time, with and without the frozen-stage cache
+    .venv/bin/python tests/benchmarks/bench_emoji.py --recipes emoji_proxy_nca_pp --eval-cost 3
 """
 
 from __future__ import annotations
@@ -113,6 +115,36 @@ def train_one(recipe: str, overrides: list[str], eval_scales: Sequence[float] = 
     return row, time.perf_counter() - t0
 
 
+def eval_cost(recipe: str, overrides: list[str], epochs: int) -> list[dict[str, float]]:
+    """Train ``recipe`` for ``epochs`` epochs scoring every epoch, once with the evaluation cache
+    (``data.eval_cache_mb``) and once without; per epoch: training and evaluation seconds of
+    both, and whether every score agrees exactly (the cache must not change a digit)."""
+    from pipelines.tracking import LocalReporter
+    from pipelines.train import TIMING_METRICS, run
+
+    histories = {}
+    for cached in (True, False):
+        cfg = load_config(recipe, [*overrides, f"train.epochs={epochs}", "train.eval_every=1",
+                                   f"data.eval_cache_mb={2048 if cached else 0}"])
+        with tempfile.TemporaryDirectory(prefix="bench-emoji-cost-") as tmp:
+            reporter = LocalReporter(Path(tmp), show_progress=False)
+            run(cfg, reporter)
+            histories[cached] = reporter.history
+    rows = []
+    for c, u in zip(histories[True], histories[False], strict=True):
+        same = {k: v for k, v in c.items() if k not in TIMING_METRICS} == {
+            k: v for k, v in u.items() if k not in TIMING_METRICS}
+        rows.append({"epoch": c["epoch"], "train_s": c["epoch_time_s"], "eval_cached_s": c["eval_time_s"],
+                     "eval_uncached_s": u["eval_time_s"], "cached_over_train": c["eval_time_s"] / c["epoch_time_s"],
+                     "uncached_over_train": u["eval_time_s"] / u["epoch_time_s"], "scores_equal": float(same),
+                     "recall_at_1": c["recall_at_1"]})
+        print(f"  {recipe} epoch {int(c['epoch'])}: train {c['epoch_time_s']:.1f} s | eval cached "
+              f"{c['eval_time_s']:.1f} s ({100 * rows[-1]['cached_over_train']:.0f}% of training) | uncached "
+              f"{u['eval_time_s']:.1f} s ({100 * rows[-1]['uncached_over_train']:.0f}%) | scores "
+              f"{'identical' if same else 'DIFFER'} (R@1 {c['recall_at_1']:.4f})", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(ROOT / "data" / "emoji"), help="built emoji folder (built if missing)")
@@ -130,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="skip the raw-pixel and frozen rows")
     ap.add_argument("--eval-scales", nargs="*", type=float, default=[], metavar="S",
                     help="also score each trained model at these data.eval_scale values (no retraining)")
+    ap.add_argument("--eval-cost", type=int, default=0, metavar="EPOCHS",
+                    help="instead of the table: per-epoch evaluation time against training time over this "
+                         "many epochs, with and without the frozen-stage evaluation cache")
     ap.add_argument("--out", default="", help="write the table as JSON here")
     args = ap.parse_args(argv)
 
@@ -142,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps:
         overrides.append(f"train.max_steps_per_epoch={args.max_steps}")
     overrides += args.set
+
+    if args.eval_cost:
+        recipes = args.recipes or [f"emoji_{loss}" for loss in args.losses]
+        costs = {r: eval_cost(r, overrides, args.eval_cost) for r in recipes}
+        if args.out:
+            Path(args.out).write_text(json.dumps(costs, indent=2) + "\n")
+        return 0 if all(row["scores_equal"] for rows in costs.values() for row in rows) else 1
 
     split = build_datasets(load_config("emoji_proxy_anchor", overrides).data)
     print(f"emoji: {len(split.train)} train images ({split.num_classes} classes), {len(split.test)} test images")

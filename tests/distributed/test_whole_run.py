@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.train import evaluate_checkpoint
+from pipelines.train import TIMING_METRICS, evaluate_checkpoint
 from tests.distributed import whole_run_workers as workers
 
 pytestmark = pytest.mark.multiprocess
@@ -62,7 +62,7 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
 
 def _history(folder: Path) -> list[dict[str, float]]:
     hist = json.loads((folder / LAST / "trainer_state.json").read_text())["history"]
-    return [{k: v for k, v in h.items() if k != "epoch_time_s"} for h in hist]
+    return [{k: v for k, v in h.items() if k not in TIMING_METRICS} for h in hist]
 
 
 @pytest.mark.parametrize("world", [2, 4])

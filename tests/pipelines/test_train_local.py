@@ -9,7 +9,7 @@ import torch
 
 from pipelines.config import load_config
 from pipelines.tracking import LocalReporter
-from pipelines.train import CHECKPOINT_FILES, evaluate_checkpoint, run
+from pipelines.train import CHECKPOINT_FILES, TIMING_METRICS, evaluate_checkpoint, run
 
 OVERRIDES = ["train.max_steps_per_epoch=5", "scaling.num_workers=1", "model.width=8"]
 
@@ -27,8 +27,8 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path, loss):
     assert [h["epoch"] for h in split.history] == [1, 2, 3]
     # Bit-identical on CPU: data order, augmentation seeds, optimiser and every RNG restored.
     for a, b in zip(straight.history, split.history):
-        assert {k: v for k, v in a.items() if k != "epoch_time_s"} == {
-            k: v for k, v in b.items() if k != "epoch_time_s"}
+        assert {k: v for k, v in a.items() if k not in TIMING_METRICS} == {
+            k: v for k, v in b.items() if k not in TIMING_METRICS}
     last = "checkpoint_000003"
     for name in ("model.pt", "loss.pt"):
         want = torch.load(tmp_path / "straight" / last / name, weights_only=True)
