@@ -42,6 +42,7 @@ import yaml
 
 from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
 from pipelines.data import DataError
+from services.s3 import s3_client
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
@@ -182,19 +183,6 @@ def default_cache_dir() -> Path:
 
 def _safe(text: str, limit: int = 48) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:limit] or "x"
-
-
-def s3_client() -> Any:
-    """boto3 S3 client; endpoint from $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL like runtime.storage."""
-    import boto3
-    from botocore.config import Config as BotoConfig
-
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        # A local S3-compatible server: never let the SDK fall back to the cloud metadata address.
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    return boto3.client("s3", endpoint_url=endpoint or None,
-                        config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 3}))
 
 
 def fetch_snapshot(location: str, cache_dir: Path | None = None) -> Snapshot:

@@ -32,6 +32,7 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
 from pipelines.tracking import NullTracker  # noqa: E402
+from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -111,7 +112,7 @@ def retry_upload(upload: Callable[[], T], *, label: str, budget_s: float, max_de
     """``upload()``, retried with exponential backoff until it succeeds or ``budget_s`` is spent.
 
     Logs a warning while an attempt hangs (the S3 client retries each request for ~25 s on its
-    own, see ``services.stack.S3_MAX_ATTEMPTS``) and on every failed attempt, so an outage is
+    own, see ``services.s3.S3_MAX_ATTEMPTS``) and on every failed attempt, so an outage is
     visible in the worker's log while it lasts. ``FileNotFoundError`` (the local folder is
     gone) is a bug, not an outage, and is raised at once.
     """
@@ -265,10 +266,8 @@ def storage(cfg: Config) -> tuple[str, Any]:
     path = cfg.tracking.storage_path or "runs"
     if not path.startswith("s3://"):
         return str(Path(path.removeprefix("file://")).resolve()), None
-    from services.stack import ray_storage, retrying_s3_filesystem
-
     bucket_prefix = path.removeprefix("s3://").strip("/")
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = endpoint_from_env()
     if endpoint:
         bucket, _, prefix = bucket_prefix.partition("/")
         return ray_storage(endpoint, bucket, prefix)

@@ -14,17 +14,16 @@ the ports) lives in one state folder, default ``.proxydml/stack``. Every server 
 127.0.0.1 only. Each service runs in its own session (process group), so ``down`` stops the
 server with every child it spawned (MLflow's uvicorn) and the processes outlive the CLI.
 
-``ray_storage`` gives Ray Train a ``(storage_path, pyarrow S3FileSystem)`` pair on the same
-S3 server; its requests ride out ~25 s of an unreachable server (``retrying_s3_filesystem``).
-Nothing here imports Ray (only ``services/runtime.py`` may).
+:meth:`Stack.ray_storage` gives Ray Train a ``(storage_path, pyarrow S3FileSystem)`` pair on
+the same S3 server. S3 clients, the retrying filesystem and the endpoint lookup live in
+``services/s3.py`` (production code uses them without this module). Nothing here imports Ray
+(only ``services/runtime.py`` may).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -33,11 +32,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from services.s3 import Credentials, ray_storage, s3_client
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -47,7 +47,6 @@ DEFAULT_STATE_DIR = Path(".proxydml/stack")
 DEFAULT_S3_PORT = 9000
 DEFAULT_MLFLOW_PORT = 5000
 DEFAULT_BUCKET = "proxydml"
-DEFAULT_REGION = "us-east-1"
 SERVICES = ("s3", "mlflow")
 BACKEND_URI_ENV = "PROXYDML_STACK_BACKEND_STORE_URI"
 CREDENTIALS_FILE = "credentials.env"
@@ -59,41 +58,6 @@ _CMDLINE_MARKERS = {"s3": ("moto", "minio"), "mlflow": ("mlflow",)}
 
 class StackError(RuntimeError):
     """A user-facing failure of the stack (port in use, server did not start, ...)."""
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """S3 keys of the local server. ``repr`` hides the secret so it never lands in a log."""
-
-    access_key: str
-    secret_key: str
-    region: str = DEFAULT_REGION
-
-    def __repr__(self) -> str:
-        return f"Credentials(access_key={self.access_key!r}, secret_key='***', region={self.region!r})"
-
-    def env(self) -> dict[str, str]:
-        """The AWS SDK variables (boto3, pyarrow, the MLflow server all read these)."""
-        return {
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-            "AWS_REGION": self.region,
-        }
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Credentials | None:
-        """The keys in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, if both are set."""
-        env = os.environ if environ is None else environ
-        key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-        if not key or not secret:
-            return None
-        return cls(key, secret, env.get("AWS_DEFAULT_REGION") or env.get("AWS_REGION") or DEFAULT_REGION)
-
-    @classmethod
-    def generate(cls) -> Credentials:
-        """Fresh test keys; lengths satisfy MinIO (user >= 3, password >= 8 characters)."""
-        return cls("proxydml-" + secrets.token_hex(4), secrets.token_urlsafe(24))
 
 
 @dataclass(frozen=True)
@@ -337,6 +301,11 @@ class Stack:
             env.update(self.credentials.env())
         return env
 
+    def ray_storage(self, prefix: str = "ray") -> tuple[str, pyarrow.fs.S3FileSystem]:
+        """``(storage_path, filesystem)`` for Ray Train's RunConfig in this stack's bucket, with
+        the stack's keys (see :func:`services.s3.ray_storage`)."""
+        return ray_storage(self.s3_endpoint, self.bucket, prefix, self.credentials)
+
     # -------------------------------------------------------------- lifecycle ---------------
 
     def up(self) -> list[str]:
@@ -578,98 +547,6 @@ class Stack:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         os.chmod(path, 0o600)  # an older file may have had wider bits
-
-
-# ---------------------------------------------------------------- clients ---------------------
-
-
-def s3_client(endpoint: str, credentials: Credentials) -> Any:
-    """A boto3 S3 client for the local server (path-style addressing: no DNS per bucket)."""
-    import boto3
-    from botocore.config import Config as BotoConfig
-
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    return boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=credentials.access_key,
-        aws_secret_access_key=credentials.secret_key, region_name=credentials.region,
-        config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 3}),
-    )
-
-
-def ray_storage(
-    stack_or_endpoint: Stack | str,
-    bucket: str | None = None,
-    prefix: str = "ray",
-    credentials: Credentials | None = None,
-) -> tuple[str, pyarrow.fs.S3FileSystem]:
-    """``(storage_path, filesystem)`` for Ray Train's RunConfig on the stack's S3 server.
-
-    The path is ``"bucket/prefix"`` without a scheme: Ray rejects an ``s3://`` URI together
-    with a filesystem object (STACK.md). Keys: ``credentials``, else the stack's, else
-    $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY.
-    """
-    if isinstance(stack_or_endpoint, Stack):
-        endpoint = stack_or_endpoint.s3_endpoint
-        bucket = bucket or stack_or_endpoint.bucket
-        credentials = credentials or stack_or_endpoint.credentials
-    else:
-        endpoint = stack_or_endpoint
-        credentials = credentials or Credentials.from_env()
-        if credentials is None:
-            raise StackError("ray_storage: no S3 credentials given and none in AWS_ACCESS_KEY_ID")
-    if not bucket:
-        raise StackError("ray_storage: no bucket given")
-    parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
-    # With explicit keys and region the AWS SDK has no reason to ask the metadata address,
-    # but an unset region lookup still may: keep it off (not loopback).
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    fs = retrying_s3_filesystem(
-        access_key=credentials.access_key, secret_key=credentials.secret_key,
-        region=credentials.region, endpoint_override=parts.netloc, scheme=parts.scheme or "http",
-    )
-    path = f"{bucket}/{prefix.strip('/')}" if prefix.strip("/") else bucket
-    return path, fs
-
-
-# Attempts per S3 request: pyarrow's AwsDefaultS3RetryStrategy waits 25 ms x 2^k between
-# them, so 10 attempts ride out ~25 s of an unreachable server (measured: 25.6 s against a
-# refused port; 3 attempts, pyarrow's default, give up after ~0.5 s).
-S3_MAX_ATTEMPTS = 10
-
-
-def retrying_s3_filesystem(max_attempts: int = S3_MAX_ATTEMPTS, **options: Any) -> pyarrow.fs.S3FileSystem:
-    """A pyarrow ``S3FileSystem(**options)`` whose requests retry ``max_attempts`` times, also
-    in the processes it is pickled to.
-
-    Why: Ray ships the RunConfig's filesystem to its Train controller and to every worker by
-    pickling, and pyarrow's pickling drops ``retry_strategy`` (pyarrow 25): the copies fell
-    back to 3 quick attempts, and one S3 blip while the controller wrote its checkpoint
-    snapshot failed the whole run (a ControllerError, which FailureConfig does not retry).
-    The deterministic default strategy (no jitter, no retry quota) keeps the outage it
-    covers predictable.
-    """
-    return _retrying_s3_class()(max_attempts=max_attempts, **options)
-
-
-@functools.cache
-def _retrying_s3_class() -> type:
-    # Built on first use: importing pyarrow costs ~0.25 s that ``proxydml stack`` never needs.
-    import pyarrow.fs
-
-    class RetryingS3FileSystem(pyarrow.fs.S3FileSystem):
-        def __init__(self, *, max_attempts: int, **options: Any) -> None:
-            super().__init__(retry_strategy=pyarrow.fs.AwsDefaultS3RetryStrategy(max_attempts=max_attempts),
-                             **options)
-            self._rebuild_args = (max_attempts, options)
-
-        def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-            return _rebuild_retrying_s3, self._rebuild_args
-
-    return RetryingS3FileSystem
-
-
-def _rebuild_retrying_s3(max_attempts: int, options: dict[str, Any]) -> pyarrow.fs.S3FileSystem:
-    return retrying_s3_filesystem(max_attempts, **options)
 
 
 # ---------------------------------------------------------------- CLI -------------------------

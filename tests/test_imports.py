@@ -53,3 +53,24 @@ def test_one_module_per_layer_touches_torch_distributed():
 def test_one_module_in_services_touches_ray():
     ray_users = [p.name for p in _files("services") if "ray" in _imports(p)]
     assert ray_users == ["runtime.py"]
+
+
+def _services_imported(path: Path) -> set[str]:
+    """The ``services.X`` modules a file imports, anywhere in it (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("services."))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "services":
+                names.update(f"services.{a.name}" for a in node.names)
+            elif node.module.startswith("services."):
+                names.add(node.module)
+    return names
+
+
+def test_only_the_cli_imports_the_local_dev_stack():
+    """services/stack.py starts local dev servers; production code reaches S3 through
+    services/s3.py and never depends on it."""
+    users = [p.name for p in _files("services") if "services.stack" in _services_imported(p)]
+    assert users == ["cli.py"]

@@ -35,7 +35,8 @@ from PIL import Image
 
 from services import registry, retrain
 from services.cli import main as cli_main
-from services.stack import Credentials, Stack, s3_client
+from services.s3 import Credentials, s3_client
+from services.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

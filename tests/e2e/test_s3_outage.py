@@ -38,7 +38,8 @@ from pipelines.config import load_config
 from pipelines.train import CHECKPOINT_FILES, load_model, loss_shard_file
 from services import training
 from services.runtime import UPLOAD_RETRY_ENV, retry_upload, verify_upload
-from services.stack import HOST, Credentials, Stack, free_port, retrying_s3_filesystem, s3_client
+from services.s3 import Credentials, retrying_s3_filesystem, s3_client
+from services.stack import HOST, Stack, free_port
 
 pytestmark = pytest.mark.e2e
 

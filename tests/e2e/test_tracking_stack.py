@@ -14,7 +14,8 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.config import load_config
 from services import training
-from services.stack import Credentials, Stack, s3_client
+from services.s3 import Credentials, s3_client
+from services.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

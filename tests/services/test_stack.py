@@ -13,15 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.stack import (
-    Credentials,
-    Stack,
-    StackError,
-    free_port,
-    process_group_alive,
-    ray_storage,
-    s3_client,
-)
+from services.s3 import Credentials, ray_storage, s3_client
+from services.stack import Stack, StackError, free_port, process_group_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -72,7 +65,7 @@ def test_artifact_logged_without_client_keys_lands_in_the_bucket(stack, logged):
 
 
 def test_ray_storage_filesystem_reads_and_writes_the_bucket(stack):
-    path, fs = ray_storage(stack, prefix="ray-test")
+    path, fs = stack.ray_storage(prefix="ray-test")
     assert path == f"{stack.bucket}/ray-test"
     with fs.open_output_stream(f"{path}/run/marker.txt") as out:
         out.write(b"checkpoint shard 0")
