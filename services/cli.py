@@ -119,26 +119,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune_best(args: argparse.Namespace) -> int:
-    import os
-
     from services import sweep
+    from services.mlflow_tracking import resolve_tracking_uri
 
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        from services.mlflow_tracking import local_store
-
-        uri = local_store()[0]
-    print(sweep.best_config(args.sweep, uri), end="")
+    print(sweep.best_config(args.sweep, resolve_tracking_uri(args.tracking_uri)), end="")
     return 0
 
 
 # -- retrain / models / submit ------------------------------------------------------------------
-def _tracking_uri(explicit: str | None) -> str:
-    from services.retrain import resolve_tracking_uri
-
-    return resolve_tracking_uri(explicit, [])
-
-
 def _cmd_retrain(args: argparse.Namespace) -> int:
     from services import registry, retrain
 
@@ -166,8 +154,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from mlflow.tracking import MlflowClient
 
     from services import registry
+    from services.mlflow_tracking import resolve_tracking_uri
 
-    client = MlflowClient(_tracking_uri(args.tracking_uri))
+    client = MlflowClient(resolve_tracking_uri(args.tracking_uri))
     try:
         if args.models_command == "list":
             return _models_list(client, args.name)

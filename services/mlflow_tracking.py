@@ -37,9 +37,10 @@ def local_store(root: Path | None = None) -> tuple[str, str]:
     return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
 
 
-def tracking_uri(cfg: Config) -> str:
-    """Configured URI, else $MLFLOW_TRACKING_URI, else the local sqlite store."""
-    return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
+def resolve_tracking_uri(explicit: str | None = None) -> str:
+    """The MLflow tracking URI: ``explicit`` (a --tracking-uri flag, ``tracking.tracking_uri``),
+    else $MLFLOW_TRACKING_URI, else the local sqlite store (:func:`local_store`)."""
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
 
 
 def git_sha() -> str:
@@ -80,7 +81,7 @@ def run_tags(cfg: Config) -> dict[str, str]:
 
 def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """Find the run tagged with this run name or create it. Returns (run_id, resumed)."""
-    uri = uri or tracking_uri(cfg)
+    uri = uri or resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = MlflowClient(uri)
     exp_id = ensure_experiment(client, cfg.experiment_name(), uri)
     found = client.search_runs(

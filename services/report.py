@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import html
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -35,6 +34,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipelines import plots
+from services.mlflow_tracking import resolve_tracking_uri
+from services.uris import redact
 
 REPORT_TAG = "proxydml.report"
 REPORT_RUN_NAME = "report"
@@ -81,13 +82,6 @@ class Report:
 
 
 # ---------------------------------------------------------------- collecting ----------------
-
-
-def default_tracking_uri() -> str:
-    """$MLFLOW_TRACKING_URI, else the embedded local store the trainer uses."""
-    from services.mlflow_tracking import local_store
-
-    return os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
 
 
 def _is_report_run(run: Run) -> bool:
@@ -238,7 +232,7 @@ def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparis
         f"<title>ProxyDML report: {esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>ProxyDML report: {esc(title)}</h1>",
         f'<p class="meta">{len(runs)} run(s) &middot; generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))}'
-        f" &middot; tracking <code>{esc(_redact(tracking_uri))}</code></p>",
+        f" &middot; tracking <code>{esc(redact(tracking_uri))}</code></p>",
     ]
 
     parts.append("<h2>Runs</h2>")
@@ -325,11 +319,6 @@ def _run_link(r: RunData, tracking_uri: str) -> str:
     return f'<a href="{html.escape(url)}">{name}</a>'
 
 
-def _redact(uri: str) -> str:
-    """A tracking URI without a password (postgresql://user:pw@host/...)."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", uri)
-
-
 # ---------------------------------------------------------------- logging ------------------
 
 
@@ -375,7 +364,7 @@ def build_report(
     """
     if not targets:
         raise ReportError("name at least one run id or experiment")
-    uri = tracking_uri or default_tracking_uri()
+    uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(uri)
     runs, direct, experiments = resolve_targets(client, targets, max_runs)
     keys = [k for k, _ in plots.CURVE_KEYS]

@@ -392,18 +392,12 @@ def decide(candidate: float | None, champion: float | None, margin: float, metri
     return False, f"{metric} {candidate:.4f} vs {champion:.4f} ({gain:+.4f} < margin {margin:g})"
 
 
-def resolve_tracking_uri(explicit: str | None, overrides: Iterable[str]) -> str:
+def request_tracking_uri(explicit: str | None, overrides: Iterable[str]) -> str:
     """--tracking-uri, else a tracking.tracking_uri override, else $MLFLOW_TRACKING_URI, else local."""
-    if explicit:
-        return explicit
-    from_override = (parse_overrides(list(overrides)).get("tracking") or {}).get("tracking_uri")
-    if from_override:
-        return str(from_override)
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    from services.mlflow_tracking import local_store
+    from services.mlflow_tracking import resolve_tracking_uri
 
-    return local_store()[0]
+    from_override = (parse_overrides(list(overrides)).get("tracking") or {}).get("tracking_uri")
+    return resolve_tracking_uri(explicit or (str(from_override) if from_override else None))
 
 
 def check_metric(metric: str) -> None:
@@ -494,7 +488,7 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
     check_metric(req.metric)
     if not (req.margin >= 0 and math.isfinite(req.margin)):
         raise RetrainError(f"--margin must be a finite number >= 0, got {req.margin}")
-    uri = resolve_tracking_uri(req.tracking_uri, req.overrides)
+    uri = request_tracking_uri(req.tracking_uri, req.overrides)
     client = MlflowClient(uri)
 
     snapshot = fetch_snapshot(req.data, req.cache_dir)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from services.s3 import Credentials, ray_storage, s3_client
+from services.uris import redact
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -116,15 +117,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def _redact(uri: str) -> str:
-    """A database URI without its password, for status lines and errors."""
-    parts = urlsplit(uri)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return uri
 
 
 # ---------------------------------------------------------------- processes -------------------
@@ -329,7 +321,7 @@ class Stack:
             running = pid is not None and self._is_ours(name, pid)
             url = self.s3_endpoint if name == "s3" else self.tracking_uri
             healthy = running and self._healthy(name, timeout=1.0)
-            detail = self.s3_server if name == "s3" else f"store {_redact(self.backend_store_uri)}"
+            detail = self.s3_server if name == "s3" else f"store {redact(self.backend_store_uri)}"
             out[name] = ServiceStatus(name, running, pid if running else None, url, healthy, detail)
         return out
 

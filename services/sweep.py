@@ -371,7 +371,7 @@ def run_sweep(
     spec = load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                       max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric,
                       grace_period=grace_period, reduction_factor=reduction_factor, points=points)
-    uri = mt.tracking_uri(base)
+    uri = mt.resolve_tracking_uri(base.tracking.tracking_uri)
     parent_id, resumed = open_parent_run(spec, uri, space_file)
     status = "FAILED"
     try:

@@ -63,7 +63,7 @@ def preflight(cfg: Config) -> int:
 def train(cfg: Config, *, address: str | None = None, log_model: bool = True) -> TrainOutcome:
     cfg = resolve_paths(cfg)
     preflight(cfg)
-    uri = mt.tracking_uri(cfg)
+    uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
     run_id, resumed = mt.open_run(cfg, uri)
     status = "FAILED"
     tracker = mt.MlflowTracker(run_id, uri)
