@@ -11,6 +11,7 @@ Only torch, numpy and faiss are imported, so this module can run inside any work
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,9 +20,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["embed", "format_metrics", "retrieval_metrics"]
+__all__ = ["RANK_METRICS", "embed", "format_metrics", "is_retrieval_metric", "metric_names", "retrieval_metrics"]
 
 ArrayLike = torch.Tensor | np.ndarray
+
+# The keys ``retrieval_metrics`` reports, the one list of them: ``recall_at_{k}`` per K, then
+# the ranking metrics, then ``nmi`` when asked. The CLI, the sweep and retrain metric checks
+# and the report's row order derive theirs from here.
+RECALL_PREFIX = "recall_at_"
+RANK_METRICS = ("map_at_r", "r_precision", "precision_at_1")
+NMI = "nmi"
+DEFAULT_RECALL_KS = (1, 2, 4, 8)
 
 # Upper bound on (queries in one search chunk) x (neighbours per query). faiss returns
 # float32 distances + int64 ids and the metric code builds ~8 (chunk, k) temporaries of
@@ -71,7 +80,7 @@ def retrieval_metrics(
     *,
     query_embeddings: ArrayLike | None = None,
     query_labels: ArrayLike | None = None,
-    recall_ks: Sequence[int] = (1, 2, 4, 8),
+    recall_ks: Sequence[int] = DEFAULT_RECALL_KS,
     nmi: bool = False,
     exclude_same_group: tuple[ArrayLike, ArrayLike | None] | None = None,
 ) -> dict[str, float]:
@@ -217,13 +226,28 @@ def retrieval_metrics(
     means = per_query.mean(axis=0)
     n_r = len(recall_ks)
     hits = per_query[:, :n_r].sum(axis=0)
-    out = {f"recall_at_{k}": float(hits[i] / len(queries)) for i, k in enumerate(recall_ks)}
-    out["map_at_r"] = float(means[n_r + 2])
-    out["r_precision"] = float(means[n_r + 1])
-    out["precision_at_1"] = float(means[n_r])
+    out = {f"{RECALL_PREFIX}{k}": float(hits[i] / len(queries)) for i, k in enumerate(recall_ks)}
+    map_at_r, r_precision, precision_at_1 = RANK_METRICS
+    out[map_at_r] = float(means[n_r + 2])
+    out[r_precision] = float(means[n_r + 1])
+    out[precision_at_1] = float(means[n_r])
     if nmi:
-        out["nmi"] = _kmeans_nmi(queries, q_cls, index.use_gpu)
+        out[NMI] = _kmeans_nmi(queries, q_cls, index.use_gpu)
     return out
+
+
+def metric_names(recall_ks: Sequence[int] = DEFAULT_RECALL_KS, nmi: bool = False) -> tuple[str, ...]:
+    """The keys of ``retrieval_metrics(..., recall_ks=recall_ks, nmi=nmi)``, in its order."""
+    return (*(f"{RECALL_PREFIX}{k}" for k in recall_ks), *RANK_METRICS, *((NMI,) if nmi else ()))
+
+
+def is_retrieval_metric(key: str, nmi: bool = False) -> bool:
+    """Whether ``retrieval_metrics`` reports ``key`` for some recall K (``nmi``: NMI counts too).
+
+    All of them are higher-is-better. ``nmi=False`` gives the metrics a sweep or a retrain
+    can select on (NMI is optional, so not every run has it).
+    """
+    return key in RANK_METRICS or (nmi and key == NMI) or re.fullmatch(rf"{RECALL_PREFIX}\d+", key) is not None
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:

@@ -33,12 +33,13 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from pipelines.evaluate import is_retrieval_metric
     from services import training
 
     cfg = training.resolve_paths(load_config(args.config, args.overrides))
     print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
     out = training.train(cfg, address=args.address)
-    keys = [k for k in out.metrics if k.startswith(("recall_at", "map_at_r", "r_precision", "precision_at", "nmi"))]
+    keys = [k for k in out.metrics if is_retrieval_metric(k, nmi=True)]
     held = cfg.data.val_classes
     title = f"validation retrieval ({held} held-out seen classes)" if held else "unseen-class retrieval"
     print(f"\n{title} (last epoch)")

@@ -34,6 +34,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipelines import plots
+from pipelines.evaluate import DEFAULT_RECALL_KS, is_retrieval_metric, metric_names
 from services.mlflow_tracking import resolve_tracking_uri
 from services.uris import redact
 
@@ -43,11 +44,8 @@ ARTIFACT_DIR = "report"
 ARTIFACT_NAME = "report.html"
 DEFAULT_MAX_RUNS = 20
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-# Metric rows where the highest value is the best (bold in the table); others are neutral.
-_HIGHER_IS_BETTER = ("recall_at_", "map_at_r", "r_precision", "precision_at_", "nmi")
 # The metric keys shown first, in this order; the rest follow alphabetically.
-_METRIC_ORDER = ("recall_at_1", "recall_at_2", "recall_at_4", "recall_at_8", "map_at_r", "r_precision",
-                 "precision_at_1", "nmi", "loss")
+_METRIC_ORDER = (*metric_names(DEFAULT_RECALL_KS, nmi=True), "loss")
 
 
 class ReportError(RuntimeError):
@@ -252,7 +250,8 @@ def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparis
             values = [r.run.data.metrics.get(key) for r in runs]
             best = None
             present = [v for v in values if v is not None and math.isfinite(v)]
-            if len(runs) > 1 and present and key.startswith(_HIGHER_IS_BETTER):
+            # Retrieval metrics: the highest value is the best (bold); other rows are neutral.
+            if len(runs) > 1 and present and is_retrieval_metric(key, nmi=True):
                 best = max(present)
             cells = [f"<code>{esc(key)}</code>"]
             for v in values:

@@ -42,11 +42,11 @@ import yaml
 
 from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
 from pipelines.data import DataError
+from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
 from services.s3 import s3_client
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
-METRICS = ("map_at_r", "r_precision", "precision_at_1")
 DEFAULT_MARGIN = 0.005
 DEFAULT_METRIC = "map_at_r"
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: "try again later" -- what a cron wrapper should see
@@ -401,9 +401,9 @@ def request_tracking_uri(explicit: str | None, overrides: Iterable[str]) -> str:
 
 
 def check_metric(metric: str) -> None:
-    if metric not in METRICS and not re.fullmatch(r"recall_at_\d+", metric):
+    if not is_retrieval_metric(metric):
         raise RetrainError(f"--metric {metric!r} is not a reported retrieval metric "
-                           f"({', '.join(METRICS)}, recall_at_K)")
+                           f"({', '.join(RANK_METRICS)}, recall_at_K)")
 
 
 def source_config(req: RetrainRequest, client: Any, uri: str) -> tuple[dict[str, Any], str]:

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from pipelines.config import CONFIG_DIR, Config, ConfigError, find_yaml, from_dict, merge
+from pipelines.evaluate import is_retrieval_metric
 
 DOMAINS = ("loguniform", "uniform", "choice", "randint", "grid")
 SEARCH_DIR = CONFIG_DIR / "search"
@@ -166,7 +167,7 @@ def load_sweep(
             f"--max-concurrent {max_concurrent} trials need {max_concurrent * per_trial:g} CPUs; "
             f"the cluster holds {fits} trial(s) of {per_trial:g} CPUs ({cluster_cpus:g} CPUs)"
         )
-    if metric not in ("map_at_r", "r_precision", "precision_at_1") and not metric.startswith("recall_at_"):
+    if not is_retrieval_metric(metric):
         raise ConfigError(f"--metric {metric!r} is not a reported retrieval metric")
     if base.train.eval_every != 1:
         raise ConfigError(f"train.eval_every must be 1 in a sweep (got {base.train.eval_every}): the scheduler "
