@@ -2,9 +2,10 @@
 
 One call of :func:`retrain`:
 
-1. verifies the snapshot (a local folder or ``s3://bucket/prefix``, downloaded to a cache):
-   ``manifest.json`` lists every file with its sha256 plus an overall checksum; the
-   evaluation classes (``test/``) must not overlap the training classes (``train/``);
+1. verifies the snapshot (a local folder or ``s3://bucket/prefix``, downloaded to a cache;
+   ``services/snapshots.py``): ``manifest.json`` lists every file with its sha256 plus an
+   overall checksum; the evaluation classes (``test/``) must not overlap the training
+   classes (``train/``);
 2. builds the config: the champion version's ``config.yaml``, a recipe, or a sweep's best
    config, then the overrides, then ``data.name=folder data.root=<snapshot>
    data.val_classes=0`` (a sweep may choose on held-out seen classes; a model is trained on all
@@ -28,8 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import re
 import sys
 import tempfile
 import time
@@ -43,14 +42,16 @@ import yaml
 from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
 from pipelines.data import DataError
 from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
-from services.s3 import s3_client
+from services import snapshots
+from services.snapshots import MANIFEST, Snapshot, SnapshotError, safe_name, write_manifest
 
-MANIFEST = "manifest.json"
-SPLITS = ("train", "test")
+# MLflow (services.registry, services.mlflow_tracking, services.sweep) and Ray
+# (services.training) are imported inside the functions that use them, for start-up time:
+# ``python -m services.retrain manifest`` needs neither.
+
 DEFAULT_MARGIN = 0.005
 DEFAULT_METRIC = "map_at_r"
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: "try again later" -- what a cron wrapper should see
-_HASH_CHUNK = 1 << 20
 
 
 class RetrainError(ValueError):
@@ -60,167 +61,13 @@ class RetrainError(ValueError):
 # ================================================================ snapshots ===================
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """A verified data snapshot on local disk."""
-
-    root: Path
-    snapshot_id: str
-    checksum: str
-    source: str
-    files: int
-    train_classes: tuple[str, ...]
-    test_classes: tuple[str, ...]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def manifest_checksum(files: dict[str, str]) -> str:
-    """Overall checksum: sha256 of ``"<sha256>  <path>\\n"`` lines sorted by path (sha256sum style)."""
-    listing = "".join(f"{files[p]}  {p}\n" for p in sorted(files))
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
-def _data_files(root: Path) -> list[str]:
-    """Every file under train/ and test/, as POSIX paths relative to ``root``."""
-    out = []
-    for split in SPLITS:
-        base = root / split
-        if base.is_dir():
-            out += [p.relative_to(root).as_posix() for p in sorted(base.rglob("*")) if p.is_file()]
-    return out
-
-
-def write_manifest(root: str | Path, snapshot_id: str) -> dict[str, Any]:
-    """Write ``root/manifest.json`` for an image-folder snapshot and return it."""
-    root = Path(root)
-    if not snapshot_id:
-        raise RetrainError("a snapshot id is required")
-    files = {rel: sha256_file(root / rel) for rel in _data_files(root)}
-    if not files:
-        raise RetrainError(f"{root} holds no files under train/ or test/")
-    manifest = {"snapshot_id": snapshot_id, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "files": files, "checksum": manifest_checksum(files)}
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    return manifest
-
-
-def parse_manifest(text: str, where: str) -> dict[str, Any]:
-    """Check a manifest's structure and its overall checksum against its own file list."""
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RetrainError(f"{where}: {MANIFEST} is not valid JSON: {exc}") from exc
-    if not isinstance(manifest, dict):
-        raise RetrainError(f"{where}: {MANIFEST} must be a JSON object")
-    sid, files, checksum = manifest.get("snapshot_id"), manifest.get("files"), manifest.get("checksum")
-    if not isinstance(sid, str) or not sid.strip():
-        raise RetrainError(f"{where}: {MANIFEST} has no snapshot_id")
-    if not isinstance(files, dict) or not files:
-        raise RetrainError(f"{where}: {MANIFEST} lists no files (empty snapshot)")
-    if not isinstance(checksum, str) or not checksum:
-        raise RetrainError(f"{where}: {MANIFEST} has no checksum")
-    for rel, digest in files.items():
-        parts = rel.split("/")
-        # Only train/<class>/<file> and test/<class>/<file>: nothing outside the snapshot.
-        if len(parts) != 3 or parts[0] not in SPLITS or any(p in ("", ".", "..") for p in parts) or rel.startswith("/"):
-            raise RetrainError(f"{where}: {MANIFEST} lists {rel!r}; expected train/<class>/<file> or test/<class>/<file>")
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise RetrainError(f"{where}: {MANIFEST}: {rel} has no sha256")
-    actual = manifest_checksum(files)
-    if actual != checksum:
-        raise RetrainError(f"{where}: checksum mismatch: {MANIFEST} says {checksum[:16]}..., "
-                           f"its file list hashes to {actual[:16]}...")
-    return manifest
-
-
-def verify_snapshot(root: Path, source: str | None = None) -> Snapshot:
-    """Verify a local snapshot against its manifest: every file, nothing unlisted, class split."""
-    source = source or str(root)
-    if not root.exists():
-        raise RetrainError(f"snapshot {source} does not exist")
-    if not root.is_dir():
-        raise RetrainError(f"snapshot {source} is not a folder")
-    if not (root / MANIFEST).is_file():
-        empty = not any(root.iterdir())
-        raise RetrainError(f"snapshot {source} is {'empty' if empty else f'missing {MANIFEST}'}")
-    manifest = parse_manifest((root / MANIFEST).read_text(), source)
-    files: dict[str, str] = manifest["files"]
-    for rel, digest in sorted(files.items()):
-        path = root / rel
-        if not path.is_file():
-            raise RetrainError(f"snapshot {source}: {rel} is listed in {MANIFEST} but missing")
-        if sha256_file(path) != digest:
-            raise RetrainError(f"snapshot {source}: checksum mismatch for {rel}")
-    # A file the manifest does not list would be trained on unverified.
-    extra = sorted(set(_data_files(root)) - set(files))
-    if extra:
-        raise RetrainError(f"snapshot {source}: {len(extra)} file(s) not in {MANIFEST}, e.g. {extra[0]}")
-    classes = {s: sorted({rel.split("/")[1] for rel in files if rel.startswith(s + "/")}) for s in SPLITS}
-    for split, what in (("train", "training"), ("test", "evaluation")):
-        if len(classes[split]) < 2:
-            raise RetrainError(f"snapshot {source}: {split}/ holds {len(classes[split])} {what} class(es); need >= 2")
-    overlap = sorted(set(classes["train"]) & set(classes["test"]))
-    if overlap:
-        raise RetrainError(
-            f"snapshot {source}: evaluation classes overlap training classes ({', '.join(overlap[:10])}): "
-            "test/ must hold only classes unseen in training"
-        )
-    return Snapshot(root=root.resolve(), snapshot_id=manifest["snapshot_id"], checksum=manifest["checksum"],
-                    source=source, files=len(files), train_classes=tuple(classes["train"]),
-                    test_classes=tuple(classes["test"]))
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("PROXYDML_CACHE") or Path.home() / ".cache" / "proxydml") / "snapshots"
-
-
-def _safe(text: str, limit: int = 48) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:limit] or "x"
-
-
 def fetch_snapshot(location: str, cache_dir: Path | None = None) -> Snapshot:
-    """A verified local copy of a snapshot (local folder: verified in place)."""
-    if not location:
-        raise RetrainError("--data must name a snapshot folder or s3://bucket/prefix")
-    if not location.startswith("s3://"):
-        return verify_snapshot(Path(location.removeprefix("file://")), location)
-    bucket, _, prefix = location.removeprefix("s3://").partition("/")
-    prefix = prefix.strip("/")
-    if not bucket:
-        raise RetrainError(f"--data {location}: no bucket")
-    s3 = s3_client()
-    key = f"{prefix}/{MANIFEST}" if prefix else MANIFEST
+    """``--data``: a verified local copy of the snapshot (see :mod:`services.snapshots`);
+    a snapshot it refuses is a RetrainError with the same message."""
     try:
-        text = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    except s3.exceptions.NoSuchKey as exc:
-        raise RetrainError(f"snapshot {location} is missing or empty (no {MANIFEST})") from exc
-    except s3.exceptions.NoSuchBucket as exc:
-        raise RetrainError(f"snapshot {location}: bucket {bucket!r} does not exist") from exc
-    manifest = parse_manifest(text, location)  # fail before downloading anything
-    # Cache by content: the same snapshot always lands in the same folder, so data.root (and
-    # hence a resumed Ray run) is stable across calls.
-    local = (cache_dir or default_cache_dir()) / f"{_safe(manifest['snapshot_id'])}-{manifest['checksum'][:12]}"
-    local.mkdir(parents=True, exist_ok=True)
-    for rel, digest in sorted(manifest["files"].items()):
-        dest = local / rel
-        if dest.is_file() and sha256_file(dest) == digest:
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
-        try:
-            s3.download_file(bucket, f"{prefix}/{rel}" if prefix else rel, str(part))
-        except Exception as exc:
-            raise RetrainError(f"snapshot {location}: cannot download {rel}: {exc}") from exc
-        part.replace(dest)
-    (local / MANIFEST).write_text(text)
-    return verify_snapshot(local, location)
+        return snapshots.fetch_snapshot(location, cache_dir, option="--data")
+    except SnapshotError as exc:
+        raise RetrainError(str(exc)) from exc
 
 
 # ================================================================ configs =====================
@@ -242,7 +89,7 @@ def config_hash(cfg: Config) -> str:
 
 def run_name(model: str, snapshot_id: str, cfg_hash: str) -> str:
     """Deterministic: Ray resumes by it, MLflow finds the run by it, the registry by its tag."""
-    return f"retrain-{_safe(model, 40)}-{_safe(snapshot_id, 40)}-{cfg_hash}"
+    return f"retrain-{safe_name(model, 40)}-{safe_name(snapshot_id, 40)}-{cfg_hash}"
 
 
 def _strip_tracking(values: dict[str, Any]) -> dict[str, Any]:
@@ -573,7 +420,7 @@ def _tag_run(client: Any, run_id: str, model: str, version: str, decision: str, 
         print(f"warning: could not tag run {run_id}: {exc}", file=sys.stderr)
 
 
-USER_ERRORS = (RetrainError, ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (RetrainError, SnapshotError, ConfigError, DataError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:

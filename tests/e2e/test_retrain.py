@@ -36,6 +36,7 @@ from PIL import Image
 from services import registry, retrain
 from services.cli import main as cli_main
 from services.s3 import Credentials, s3_client
+from services.snapshots import write_manifest
 from services.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -67,7 +68,7 @@ def write_digits_snapshot(root: Path, snapshot_id: str, train_per_class: int, te
         folder = root / split / str(label)
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray((image * 15.9).astype(np.uint8), mode="L").save(folder / f"{n:04d}.png")
-    retrain.write_manifest(root, snapshot_id)
+    write_manifest(root, snapshot_id)
     return root
 
 

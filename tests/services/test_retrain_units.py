@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from services import registry, retrain
+from services import registry, retrain, snapshots
 from services.cli import main as cli_main
 
 
@@ -48,7 +48,7 @@ def make_snapshot(root: Path, snapshot_id: str, *, train=("0", "1", "2"), test=(
                 pixels = rng.integers(0, 255, (8, 8), dtype=np.uint8)
                 Image.fromarray(pixels, mode="L").save(root / split / cls / f"{i}.png")
     if manifest:
-        retrain.write_manifest(root, snapshot_id)
+        snapshots.write_manifest(root, snapshot_id)
     return root
 
 
@@ -57,12 +57,12 @@ def make_snapshot(root: Path, snapshot_id: str, *, train=("0", "1", "2"), test=(
 
 def test_manifest_round_trip(tmp_path):
     snap = make_snapshot(tmp_path / "s", "snap-1")
-    got = retrain.verify_snapshot(snap)
+    got = snapshots.verify_snapshot(snap)
     assert got.snapshot_id == "snap-1"
     assert got.files == 18
     assert got.train_classes == ("0", "1", "2") and got.test_classes == ("7", "8", "9")
     manifest = json.loads((snap / "manifest.json").read_text())
-    assert manifest["checksum"] == retrain.manifest_checksum(manifest["files"]) == got.checksum
+    assert manifest["checksum"] == snapshots.manifest_checksum(manifest["files"]) == got.checksum
     assert retrain.fetch_snapshot(str(snap)).root == snap.resolve()
 
 
@@ -89,26 +89,31 @@ def test_damaged_snapshots_are_refused(tmp_path, damage, message):
         (snap / "train/1/2.png").unlink()
     elif damage == "traversal":
         manifest["files"]["../outside.png"] = "0" * 64
-        manifest["checksum"] = retrain.manifest_checksum(manifest["files"])
+        manifest["checksum"] = snapshots.manifest_checksum(manifest["files"])
         manifest_path.write_text(json.dumps(manifest))
     else:
         manifest_path.write_text("{not json")
-    with pytest.raises(retrain.RetrainError, match=re.escape(message)):
-        retrain.verify_snapshot(snap)
+    with pytest.raises(snapshots.SnapshotError, match=re.escape(message)):
+        snapshots.verify_snapshot(snap)
 
 
 def test_missing_empty_and_overlapping_snapshots(tmp_path):
-    with pytest.raises(retrain.RetrainError, match="does not exist"):
-        retrain.verify_snapshot(tmp_path / "nope")
+    with pytest.raises(snapshots.SnapshotError, match="does not exist"):
+        snapshots.verify_snapshot(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(retrain.RetrainError, match="is empty"):
-        retrain.verify_snapshot(tmp_path / "empty")
+    with pytest.raises(snapshots.SnapshotError, match="is empty"):
+        snapshots.verify_snapshot(tmp_path / "empty")
     snap = make_snapshot(tmp_path / "overlap", "o", train=("0", "1", "2"), test=("2", "3"))
-    with pytest.raises(retrain.RetrainError, match=r"evaluation classes overlap training classes \(2\)"):
-        retrain.verify_snapshot(snap)
+    with pytest.raises(snapshots.SnapshotError, match=r"evaluation classes overlap training classes \(2\)"):
+        snapshots.verify_snapshot(snap)
     one = make_snapshot(tmp_path / "one", "o", test=("9",))
+    with pytest.raises(snapshots.SnapshotError, match="test/ holds 1 evaluation class"):
+        snapshots.verify_snapshot(one)
+    # retrain's --data reports the same refusals as RetrainError (exit code 2 in the CLI).
     with pytest.raises(retrain.RetrainError, match="test/ holds 1 evaluation class"):
-        retrain.verify_snapshot(one)
+        retrain.fetch_snapshot(str(one))
+    with pytest.raises(retrain.RetrainError, match="--data must name a snapshot folder"):
+        retrain.fetch_snapshot("")
 
 
 def test_s3_snapshot_is_downloaded_verified_and_cached(tmp_path, monkeypatch):
@@ -148,7 +153,7 @@ def test_s3_snapshot_is_downloaded_verified_and_cached(tmp_path, monkeypatch):
 
 
 def test_config_hash_and_run_name_ignore_where_it_runs(tmp_path):
-    snap = retrain.verify_snapshot(make_snapshot(tmp_path / "s", "2024-01-01/A"))
+    snap = snapshots.verify_snapshot(make_snapshot(tmp_path / "s", "2024-01-01/A"))
     base = {"train": {"epochs": 2}, "tracking": {"run_name": "old", "tracking_uri": "http://elsewhere"}}
     a = retrain.build_config(base, ["scaling.num_workers=1"], snap, model="m", tracking_uri="sqlite:///x.db")
     b = retrain.build_config(base, ["scaling.num_workers=4", "data.batch_size=64"], snap, model="m",
@@ -222,7 +227,7 @@ def test_models_cli(store, name, capsys):
 def test_manifest_command(tmp_path, capsys):
     make_snapshot(tmp_path / "s", "x", manifest=False)
     assert retrain.main(["manifest", str(tmp_path / "s"), "snap-x"]) == 0
-    assert retrain.verify_snapshot(tmp_path / "s").snapshot_id == "snap-x"
+    assert snapshots.verify_snapshot(tmp_path / "s").snapshot_id == "snap-x"
     assert retrain.main(["manifest"]) == 2
 
 
