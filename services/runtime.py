@@ -33,6 +33,10 @@ from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
 from pipelines.tracking import NullTracker  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
+from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
+
+# services.mlflow_tracking (MLflow, ~1.4 s to import) is imported inside the functions that
+# log: every Ray Train worker imports this module, and only rank 0 logs to MLflow.
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -317,7 +321,7 @@ def cluster_cpus() -> float:
     return float(ray.cluster_resources().get("CPU", 0))
 
 
-def _tune_domain(dim: Any) -> Any:
+def _tune_domain(dim: Dimension) -> Any:
     from ray import tune
 
     low_high = dim.values
@@ -339,7 +343,6 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from services import mlflow_tracking as mt
-    from services.sweep import apply
 
     trial_id = tune.get_context().get_trial_id()
     cfg = apply(from_dict(base), params)
@@ -360,7 +363,7 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
         mt.end_run(run_id, mlflow_uri, status)
 
 
-def tune_sweep(spec: Any, *, parent_run_id: str, mlflow_uri: str, storage_root: str) -> list[dict[str, Any]]:
+def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_root: str) -> list[dict[str, Any]]:
     """Run (or resume) a sweep; returns one dict per trial: id, params, metric, status."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler

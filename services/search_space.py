@@ -1,0 +1,196 @@
+"""Sweep search spaces: the space files, their validation, and the validated sweep spec.
+
+A space file maps dotted config keys (the same names as CLI overrides and MLflow params) to
+one of a tiny vocabulary::
+
+    loss.temperature: {loguniform: [0.02, 0.5]}
+    synthesis.alpha:  {uniform: [0.1, 1.0]}
+    loss.name:        {choice: [norm_softmax, proxy_nca_pp]}
+    train.seed:       {randint: [0, 10]}
+    optim.lr:         {grid: [1.0e-4, 1.0e-3]}
+
+Everything is checked against the config schema before a single trial starts. :func:`apply`
+turns one trial's values into its config (the Tune trial driver in ``services/runtime.py``
+uses it). No Ray and no MLflow here: ``services/sweep.py`` runs a sweep, ``runtime`` drives
+Ray Tune, and both import this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipelines.config import CONFIG_DIR, Config, ConfigError, find_yaml, from_dict, merge
+from pipelines.evaluate import is_retrieval_metric
+
+DOMAINS = ("loguniform", "uniform", "choice", "randint", "grid")
+SEARCH_DIR = CONFIG_DIR / "search"
+
+
+@dataclass(frozen=True)
+class Dimension:
+    key: str
+    kind: str
+    values: tuple[Any, ...]
+
+
+@dataclass
+class SweepSpec:
+    """A validated sweep: base config, dimensions, and how to search them."""
+
+    base: Config
+    space: list[Dimension]
+    samples: int
+    scheduler: str
+    search: str
+    max_concurrent: int
+    metric: str = "map_at_r"
+    mode: str = "max"
+    # ASHA's first rung (epochs) and the fraction 1/reduction_factor promoted at each rung.
+    grace_period: int = 1
+    reduction_factor: int = 2
+    # Configs (dotted key -> value) run first, before any sampling: two sweeps given the same
+    # points compare schedulers on identical trials (tests/benchmarks/bench_tune.py).
+    points: tuple[dict[str, Any], ...] = ()
+
+    def name(self) -> str:
+        """Deterministic sweep name: re-running the same command resumes the same sweep."""
+        fields: dict[str, Any] = {
+            "base": self.base.experiment_hash(), "epochs": self.base.train.epochs,
+            "space": [(d.key, d.kind, d.values) for d in self.space], "samples": self.samples,
+            "scheduler": self.scheduler, "search": self.search, "metric": self.metric,
+        }
+        # Only when set: the names (and so the resumability) of existing sweeps stay as they were.
+        if (self.grace_period, self.reduction_factor) != (1, 2):
+            fields["asha"] = [self.grace_period, self.reduction_factor]
+        if self.points:
+            fields["points"] = [sorted(p.items()) for p in self.points]
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
+        return f"sweep-{self.base.data.name}-{self.base.loss.name}-{hashlib.sha256(blob).hexdigest()[:8]}"
+
+
+def resolve_space_file(space: str | Path) -> Path:
+    return find_yaml(space, SEARCH_DIR, "search space", "shipped spaces")
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def apply(base: Config, flat: dict[str, Any]) -> Config:
+    """``base`` with dotted ``flat`` values applied, validated."""
+    return from_dict(merge(base.to_dict(), _nest(flat)))
+
+
+def parse_space(raw: Any, base: Config, source: str = "space") -> list[Dimension]:
+    """Validate a space mapping against the config schema; errors name the key."""
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{source}: expected a non-empty mapping of dotted config keys")
+    known = set(base.flat())
+    dims: list[Dimension] = []
+    for key, spec in raw.items():
+        if key not in known:
+            raise ConfigError(f"{source}: {key!r} is not a config field")
+        if not isinstance(spec, dict) or len(spec) != 1:
+            raise ConfigError(f"{source}: {key} must be one of {{{', '.join(DOMAINS)}: [...]}}")
+        ((kind, values),) = spec.items()
+        if kind not in DOMAINS:
+            raise ConfigError(f"{source}: {key}: unknown domain {kind!r}; use one of {', '.join(DOMAINS)}")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{source}: {key}: {kind} needs a non-empty list")
+        if kind in ("loguniform", "uniform", "randint"):
+            if len(values) != 2 or not all(isinstance(v, (int, float)) for v in values):
+                raise ConfigError(f"{source}: {key}: {kind} needs [low, high]")
+            low, high = values
+            if not low < high:
+                raise ConfigError(f"{source}: {key}: {kind} needs low < high, got {values}")
+            if kind == "loguniform" and low <= 0:
+                raise ConfigError(f"{source}: {key}: loguniform needs low > 0, got {low}")
+            # Both ends must be valid values (randint's high is exclusive).
+            probes = [low, high if kind != "randint" else high - 1]
+        else:
+            probes = list(values)
+        for value in probes:
+            try:
+                apply(base, {key: value})
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {key}={value!r} is outside the valid domain: {exc}") from exc
+        dims.append(Dimension(key, kind, tuple(values)))
+    return dims
+
+
+def load_sweep(
+    base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
+    max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
+    grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
+) -> SweepSpec:
+    """Build and check a sweep before anything starts."""
+    path = resolve_space_file(space)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    dims = parse_space(raw, base, source=str(path.name))
+    if samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {samples}")
+    if scheduler not in ("asha", "none"):
+        raise ConfigError(f"--scheduler must be asha or none, got {scheduler!r}")
+    if search not in ("optuna", "random", "grid"):
+        raise ConfigError(f"--search must be optuna, random or grid, got {search!r}")
+    has_grid = any(d.kind == "grid" for d in dims)
+    if search == "optuna" and has_grid:
+        raise ConfigError("grid dimensions need --search grid or random (Optuna samples, it does not grid)")
+    if search == "grid" and not all(d.kind in ("grid", "choice") for d in dims):
+        raise ConfigError("--search grid needs every dimension to be a grid or a choice")
+    per_trial = base.scaling.num_workers * base.scaling.cpus_per_worker
+    fits = int(cluster_cpus // per_trial) if math.isfinite(cluster_cpus) else samples
+    if fits < 1:
+        raise ConfigError(
+            f"one trial needs {per_trial:g} CPUs ({base.scaling.num_workers} workers x "
+            f"{base.scaling.cpus_per_worker:g}) but the cluster has {cluster_cpus:g}"
+        )
+    if max_concurrent is None:
+        max_concurrent = max(1, min(fits, samples))
+    elif max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent must be >= 1, got {max_concurrent}")
+    elif max_concurrent > fits:
+        raise ConfigError(
+            f"--max-concurrent {max_concurrent} trials need {max_concurrent * per_trial:g} CPUs; "
+            f"the cluster holds {fits} trial(s) of {per_trial:g} CPUs ({cluster_cpus:g} CPUs)"
+        )
+    if not is_retrieval_metric(metric):
+        raise ConfigError(f"--metric {metric!r} is not a reported retrieval metric")
+    if base.train.eval_every != 1:
+        raise ConfigError(f"train.eval_every must be 1 in a sweep (got {base.train.eval_every}): the scheduler "
+                          f"compares trials on every epoch's {metric}")
+    if grace_period < 1 or grace_period > base.train.epochs:
+        raise ConfigError(f"ASHA grace period must be in [1, train.epochs={base.train.epochs}], got {grace_period}")
+    if reduction_factor < 2:
+        raise ConfigError(f"ASHA reduction factor must be >= 2, got {reduction_factor}")
+    points = list(points or [])
+    if points and search == "grid":
+        raise ConfigError("preset points need --search random or optuna (a grid fixes every trial itself)")
+    if len(points) > samples:
+        raise ConfigError(f"{len(points)} preset points but only {samples} trial(s)")
+    keys = {d.key for d in dims}
+    for i, point in enumerate(points):
+        unknown = sorted(set(point) - keys)
+        if unknown:
+            raise ConfigError(f"preset point {i}: {', '.join(unknown)} not in the search space")
+        try:
+            apply(base, point)
+        except ConfigError as exc:
+            raise ConfigError(f"preset point {i}: {exc}") from exc
+    return SweepSpec(base, dims, samples, scheduler, search, max_concurrent, metric,
+                     grace_period=grace_period, reduction_factor=reduction_factor,
+                     points=tuple(dict(p) for p in points))
