@@ -38,7 +38,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = training.resolve_paths(load_config(args.config, args.overrides))
     print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
-    out = training.train(cfg, address=args.address)
+    out = training.train(cfg, address=args.address, show_progress=sys.stderr.isatty() and not args.quiet)
     keys = [k for k in out.metrics if is_retrieval_metric(k, nmi=True)]
     held = cfg.data.val_classes
     title = f"validation retrieval ({held} held-out seen classes)" if held else "unseen-class retrieval"
@@ -276,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train on Ray Train workers")
     tr.add_argument("--config", default=None, help="recipe name or YAML path")
     tr.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar (there is none when not in a terminal)")
     tr.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     tr.set_defaults(func=_cmd_train)
 

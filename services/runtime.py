@@ -31,7 +31,7 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
-from pipelines.tracking import NullTracker  # noqa: E402
+from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
 from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
 
@@ -188,8 +188,17 @@ class RayReporter:
     means a full or missing disk, not a server briefly away).
     """
 
-    def __init__(self, upload_retry_s: float = 0.0) -> None:
+    def __init__(self, upload_retry_s: float = 0.0, show_progress: bool = False) -> None:
         self.upload_retry_s = upload_retry_s
+        self.show_progress = show_progress
+
+    def progress(self, total: int, description: str) -> Progress:
+        """Ray's tqdm: the worker sends the bar's state, the driver draws it (in its terminal)."""
+        if not self.show_progress:
+            return NullProgress()
+        from ray.experimental import tqdm_ray
+
+        return tqdm_ray.tqdm(total=total, desc=description)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:
@@ -237,7 +246,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     cfg = from_dict(loop_config["config"])
-    reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0))
+    reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0),
+                           show_progress=loop_config.get("show_progress", False))
     run_id = loop_config.get("mlflow_run_id")
     if not run_id or ray.train.get_context().get_world_rank() != 0:
         train_pipeline.run(cfg, reporter, NullTracker())
@@ -286,7 +296,7 @@ def checkpoint_uri(cfg: Config, checkpoint: ray.train.Checkpoint) -> str:
 
 
 def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None,
-        callbacks: list[Any] | None = None) -> ray.train.Result:
+        callbacks: list[Any] | None = None, show_progress: bool = False) -> ray.train.Result:
     """Run (or resume, when a run of the same name exists in storage) one training run."""
     path, filesystem = storage(cfg)
     use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
@@ -296,7 +306,7 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri,
-                           "upload_retry_s": upload_retry_budget()},
+                           "upload_retry_s": upload_retry_budget(), "show_progress": show_progress},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=use_gpu, resources_per_worker=resources
         ),

@@ -60,7 +60,9 @@ def preflight(cfg: Config) -> int:
     return split.num_classes
 
 
-def train(cfg: Config, *, address: str | None = None, log_model: bool = True) -> TrainOutcome:
+def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
+          show_progress: bool = False) -> TrainOutcome:
+    """Train (or resume) ``cfg`` on Ray; ``show_progress``: rank 0's per-epoch bar on this console."""
     cfg = resolve_paths(cfg)
     preflight(cfg)
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
@@ -69,7 +71,7 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True) ->
     tracker = mt.MlflowTracker(run_id, uri)
     try:
         runtime.ensure_ray(address)
-        result = runtime.fit(cfg, mlflow_run_id=run_id, mlflow_uri=uri)
+        result = runtime.fit(cfg, mlflow_run_id=run_id, mlflow_uri=uri, show_progress=show_progress)
         if result.error is not None:
             raise result.error
         ckpt_path = None
