@@ -13,8 +13,9 @@ from pathlib import Path
 
 from pipelines.config import ConfigError, describe, load_config
 from pipelines.data import DataError
+from services.cluster import ClusterError
 
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ClusterError)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -34,27 +35,33 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from pipelines.evaluate import is_retrieval_metric
-    from services import training
+    from services import console, training
 
     cfg = training.resolve_paths(load_config(args.config, args.overrides))
-    print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
-    out = training.train(cfg, address=args.address, show_progress=sys.stderr.isatty() and not args.quiet)
-    keys = [k for k in out.metrics if is_retrieval_metric(k, nmi=True)]
-    held = cfg.data.val_classes
-    title = f"validation retrieval ({held} held-out seen classes)" if held else "unseen-class retrieval"
-    print(f"\n{title} (last epoch)")
-    print(f"{'metric':16s} value")
-    for k in keys:
-        print(f"{k:16s} {out.metrics[k]:.4f}")
-    print(f"\nMLflow run  : {out.mlflow_run_id} ({out.tracking_uri})")
-    print(f"checkpoint  : {out.checkpoint_path}")
-    print(f"run name    : {out.run_name}{' (resumed)' if out.resumed else ''}")
+    with console.run_console(console.log_path_for(cfg.run_name()), discard_on=USER_ERRORS) as log:
+        print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
+        out = training.train(cfg, address=args.address, show_progress=sys.stderr.isatty() and not args.quiet,
+                             log_file=log)
+        keys = [k for k in out.metrics if is_retrieval_metric(k, nmi=True)]
+        held = cfg.data.val_classes
+        title = f"validation retrieval ({held} held-out seen classes)" if held else "unseen-class retrieval"
+        print(f"\n{title} (last epoch)")
+        print(f"{'metric':16s} value")
+        for k in keys:
+            print(f"{k:16s} {out.metrics[k]:.4f}")
+        print(f"\nMLflow run  : {out.mlflow_run_id} ({out.tracking_uri})")
+        print(f"checkpoint  : {out.checkpoint_path}")
+        print(f"run name    : {out.run_name}{' (resumed)' if out.resumed else ''}")
+        print(f"log         : {log} (everything, library output included)")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pipelines.evaluate import format_metrics
     from pipelines.train import evaluate_checkpoint
+    from services.snapshots import install_data_resolver
+
+    install_data_resolver()  # a checkpoint trained on data.root=s3://... reads it from this node's cache
 
     metrics = evaluate_checkpoint(Path(args.checkpoint), args.overrides)
     # --json: every digit (a logged metric and its re-evaluation compare exactly).
@@ -90,6 +97,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_push(args: argparse.Namespace) -> int:
+    from services.snapshots import SnapshotError, push_dataset
+
+    try:
+        manifest = push_dataset(args.folder, args.destination, args.id)
+    except SnapshotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"pushed: {len(manifest['files'])} files of {manifest['snapshot_id']} to {args.destination} "
+          f"(manifest checksum {manifest['checksum'][:16]}); train with data.root={args.destination}")
+    return 0
+
+
 def _cmd_data_build(args: argparse.Namespace) -> int:
     from pipelines.data.emoji import DEFAULT_ROOT, DESIGNS, build_emoji
 
@@ -102,20 +122,23 @@ def _cmd_data_build(args: argparse.Namespace) -> int:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     base = load_config(args.config, args.overrides)
-    from services import sweep
+    from services import console, sweep
 
-    print(f"proxydml tune: {args.samples} trial(s) of {base.scaling.num_workers} worker(s), "
-          f"{args.search} search, scheduler {args.scheduler}", flush=True)
-    out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
-                          search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
-                          address=args.address, grace_period=args.grace, reduction_factor=args.reduction_factor)
-    print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
-    for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
-        metric = f"{t['metric']:.4f}" if t["metric"] is not None else "n/a"
-        print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {shown}")
-    print(f"MLflow parent run: {out.parent_run_id}")
-    print(f"best config      : proxydml tune best {out.name}")
+    with console.run_console(console.log_path_for(f"tune-{Path(args.space).stem}"), discard_on=USER_ERRORS) as log:
+        print(f"proxydml tune: {args.samples} trial(s) of {base.scaling.num_workers} worker(s), "
+              f"{args.search} search, scheduler {args.scheduler}", flush=True)
+        out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
+                              search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
+                              address=args.address, grace_period=args.grace,
+                              reduction_factor=args.reduction_factor)
+        print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
+        for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
+            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
+            metric = f"{t['metric']:.4f}" if t["metric"] is not None else "n/a"
+            print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {shown}")
+        print(f"MLflow parent run: {out.parent_run_id}")
+        print(f"best config      : proxydml tune best {out.name}")
+        print(f"log              : {log}")
     return 0
 
 
@@ -331,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default=None, help="output folder (default ./data/emoji)")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=_cmd_data_build)
+    push = data_sub.add_parser("push", help="upload a data set folder with its manifest to s3://bucket/prefix "
+                               "(then train with data.root=s3://bucket/prefix on any node)")
+    push.add_argument("folder", help="the data set folder (any loader's layout)")
+    push.add_argument("destination", help="s3://bucket/prefix (endpoint and keys from the AWS environment)")
+    push.add_argument("--id", default=None, help="name recorded in the manifest (default: the folder's name)")
+    push.set_defaults(func=_cmd_data_push)
 
     st = sub.add_parser("stack", help="local S3-compatible server + MLflow server on 127.0.0.1")
     st_opts = argparse.ArgumentParser(add_help=False)

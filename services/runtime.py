@@ -198,7 +198,7 @@ class RayReporter:
             return NullProgress()
         from ray.experimental import tqdm_ray
 
-        return tqdm_ray.tqdm(total=total, desc=description)
+        return tqdm_ray.tqdm(total=total, desc=description, unit="step")
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[Path | None]:

@@ -61,8 +61,9 @@ def preflight(cfg: Config) -> int:
 
 
 def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
-          show_progress: bool = False) -> TrainOutcome:
-    """Train (or resume) ``cfg`` on Ray; ``show_progress``: rank 0's per-epoch bar on this console."""
+          show_progress: bool = False, log_file: Path | None = None) -> TrainOutcome:
+    """Train (or resume) ``cfg`` on Ray; ``show_progress``: rank 0's per-epoch bar on this console;
+    ``log_file``: the command's full console log, kept with the run as ``logs/<name>``."""
     cfg = resolve_paths(cfg)
     preflight(cfg)
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
@@ -91,6 +92,11 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
                 if log_model:
                     mt.log_pytorch_model(run_id, uri, Path(d))
             tracker.set_tags({"ray_checkpoint_path": ckpt_path})
+        if log_file is not None and log_file.is_file():
+            with tempfile.TemporaryDirectory(prefix="proxydml-log-") as log_dir:
+                # A snapshot: the command keeps appending its last lines after this.
+                shutil.copy(log_file, Path(log_dir) / log_file.name)
+                tracker.log_artifacts(Path(log_dir), "logs")
         if not tracker.flush(timeout=600):
             raise RuntimeError(f"{tracker.pending()} MLflow record(s) not delivered after 600 s")
         status = "FINISHED"

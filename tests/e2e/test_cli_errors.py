@@ -58,6 +58,7 @@ def test_bad_input_gives_one_clear_error(tmp_path, args, message):
     lines = out.stderr.strip().splitlines()
     assert lines == [f"error: {lines[0].removeprefix('error: ')}"] and message in lines[0], out.stderr
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "runs").exists()
+    assert not (tmp_path / ".proxydml").exists()  # not even a console log
 
 
 def test_dataset_with_one_class_is_refused_before_any_run(tmp_path):

@@ -1,0 +1,148 @@
+"""What a command prints: its own lines on the console, everything in the run's log file.
+
+Ray forwards every worker's and actor's output to the driver, and the libraries we run talk
+on import and on start-up: faiss reports each CPU-feature build it tries (on every worker),
+MLflow logs INFO lines for its database and system-metrics monitor, Ray's C++ core in the
+Train controller logs an error about its own PreemptionWatcher actor, torch.export warns
+about weight placement. None of it is ours to fix, and a user looking at a run cannot tell
+it from a real problem. :func:`run_console` tees stdout and stderr: the log file gets every
+byte, the console gets everything except the lines :data:`CHATTER` knows. Real warnings and
+errors (anything else) still reach the console, and progress bars pass straight through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+# Known library chatter, matched anywhere in a line (Ray prefixes forwarded lines with the
+# actor's name and pid). Keep each pattern specific: a line that is not listed is shown.
+CHATTER = re.compile("|".join([
+    r"Loading faiss( with \w+ support)?\.",          # faiss.loader, per process
+    r"Could not load library with \w+ support due to",
+    r"No module named 'faiss\.swigfaiss_\w+'",
+    r"Successfully loaded faiss",
+    r"\bINFO mlflow[.\w]*:",                         # MLflow's INFO lines (db set-up, system metrics)
+    r"Actor with class name: 'PreemptionWatcher'",  # Ray Train's own watcher (core_worker.cc)
+    r"Token authentication is enabled for this Ray cluster",
+    r"Started a local Ray instance",
+    r"No complete tensor found in the group",         # torch.export, when MLflow saves the model
+    r"complete_tensor = get_complete_tensor\(",       # ...and the source line the warning shows
+]))
+
+
+def is_chatter(line: str) -> bool:
+    """True for a line the console leaves out (it still goes to the log file)."""
+    return bool(CHATTER.search(line))
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes everything to ``log`` and the non-chatter lines to ``console``.
+
+    Whole lines are filtered; a write with a carriage return and no newline (a progress bar
+    redrawing itself) goes to the console at once. Thread-safe: Ray's log monitor prints from
+    its own thread.
+    """
+
+    def __init__(self, console: IO[str], log: IO[str]) -> None:
+        super().__init__()
+        self.console, self.log = console, log
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self.log.write(text)
+            if "\r" in text and "\n" not in text and not self._pending:
+                self.console.write(text)
+                return len(text)
+            self._pending += text
+            *lines, self._pending = self._pending.split("\n")
+            for line in lines:
+                if not is_chatter(line):
+                    self.console.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.log.flush()
+            self.console.flush()
+
+    def close_pending(self) -> None:
+        """Show a last line that never got its newline (unless it is chatter)."""
+        with self._lock:
+            if self._pending and not is_chatter(self._pending):
+                self.console.write(self._pending)
+            self._pending = ""
+
+    def isatty(self) -> bool:
+        return self.console.isatty()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.console, "encoding", "utf-8")
+
+
+def _stream_handlers(streams: tuple[object, ...]) -> list[logging.StreamHandler]:
+    """Logging handlers that write to one of ``streams`` (they keep the stream they were given
+    at import time, so replacing ``sys.stderr`` alone would not reach them)."""
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    return [h for lg in loggers for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in streams]
+
+
+@contextlib.contextmanager
+def run_console(log_path: Path, discard_on: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
+    """Within the block, stdout and stderr (and logging handlers on them) go through the
+    filter; the full output is appended to ``log_path``. Yields ``log_path``.
+
+    A new log file is removed again when the block raises one of ``discard_on`` (a user error
+    found before anything started: nothing is left behind).
+    """
+    new = not log_path.exists()
+    created = [d for d in (log_path.parent, *log_path.parent.parents) if not d.exists()]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out, err = sys.stdout, sys.stderr
+    discard = False
+    try:
+        with log_path.open("a", encoding="utf-8") as log:
+            tees = {out: _Tee(out, log), err: _Tee(err, log)}
+            handlers = _stream_handlers((out, err))
+            previous = [h.stream for h in handlers]
+            sys.stdout, sys.stderr = tees[out], tees[err]
+            for h in handlers:
+                h.setStream(tees[h.stream])
+            try:
+                yield log_path
+            except discard_on:
+                discard = new
+                raise
+            finally:
+                for tee in tees.values():
+                    tee.close_pending()
+                    tee.flush()
+                sys.stdout, sys.stderr = out, err
+                for h, stream in zip(handlers, previous, strict=True):
+                    h.setStream(stream)
+    finally:
+        if discard:
+            log_path.unlink(missing_ok=True)
+            for d in created:  # innermost first: the folders this call made, if still empty
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+
+
+def log_path_for(name: str, root: Path | None = None) -> Path:
+    """Where the console log of run or sweep ``name`` goes: ``.proxydml/logs/<name>.log``."""
+    return (root or Path.cwd()) / ".proxydml" / "logs" / f"{name}.log"

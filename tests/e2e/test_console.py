@@ -1,0 +1,83 @@
+"""What `proxydml train` shows in a terminal: its own lines and a progress bar, no library
+chatter; everything goes to the run's log file, which MLflow keeps too."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from services.console import is_chatter
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_in_terminal(args: list[str], cwd: Path, timeout: float = 420) -> tuple[int, str]:
+    """Run ``args`` with stdout and stderr on a pseudo-terminal of 160 x 40 (what a user's
+    terminal is: tqdm sizes its bar from it). Returns (exit code, everything printed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen(args, cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+                            close_fds=True)
+    os.close(slave)
+    out, deadline = bytearray(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return proc.returncode, out.decode(errors="replace")
+
+
+def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_path):
+    db = tmp_path / "mlflow.db"
+    code, shown = run_in_terminal(
+        [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
+         "data.image_size=64", f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{db}"],
+        cwd=tmp_path)
+    assert code == 0, shown
+    # The bar of epoch 1, drawn on the driver from rank 0's state: description, percentage, rate.
+    assert "epoch 1/1:" in shown and "%|" in shown and "step/s" in shown, shown
+    lines = shown.splitlines()
+    for needle in ("faiss", "INFO mlflow", "PreemptionWatcher", "No complete tensor found"):
+        assert not [line for line in lines if needle in line], needle
+    assert "unseen-class retrieval (last epoch)" in shown and "recall_at_1" in shown
+
+    # The log file has all of it: what the console left out is there.
+    logs = list((tmp_path / ".proxydml" / "logs").glob("digits-*.log"))
+    assert len(logs) == 1
+    text = logs[0].read_text(errors="replace")
+    assert "Loading faiss" in text and "unseen-class retrieval" in text
+    assert any(is_chatter(line) for line in text.splitlines())
+    # ...and MLflow keeps it with the run.
+    client = MlflowClient(f"sqlite:///{db}")
+    run_id = shown.split("MLflow run  : ")[1].split()[0]
+    assert [a.path for a in client.list_artifacts(run_id, "logs")] == [f"logs/{logs[0].name}"]
+
+
+def test_output_that_is_not_a_terminal_has_no_bar(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
+         "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp_path / 'runs'}",
+         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=420, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "%|" not in out.stdout + out.stderr and "epoch 1/1 loss=" in out.stdout
