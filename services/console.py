@@ -53,13 +53,15 @@ class _Tee(io.TextIOBase):
 
     def __init__(self, console: IO[str], log: IO[str]) -> None:
         super().__init__()
-        self.console, self.log = console, log
+        self.console: IO[str] = console
+        self.log: IO[str] | None = log
         self._pending = ""
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         with self._lock:
-            self.log.write(text)
+            if self.log is not None:
+                self.log.write(text)
             if "\r" in text and "\n" not in text and not self._pending:
                 self.console.write(text)
                 return len(text)
@@ -72,7 +74,8 @@ class _Tee(io.TextIOBase):
 
     def flush(self) -> None:
         with self._lock:
-            self.log.flush()
+            if self.log is not None:
+                self.log.flush()
             self.console.flush()
 
     def close_pending(self) -> None:
@@ -82,8 +85,17 @@ class _Tee(io.TextIOBase):
                 self.console.write(self._pending)
             self._pending = ""
 
+    def release(self) -> None:
+        """The log file closes: a library that kept this stream (Ray's colorama does, at import)
+        writes to the console from now on."""
+        with self._lock:
+            self.log = None
+
     def isatty(self) -> bool:
-        return self.console.isatty()
+        try:
+            return self.console.isatty()
+        except ValueError:  # the console was closed under a late writer (interpreter exit)
+            return False
 
     def fileno(self) -> int:
         return self.console.fileno()
@@ -132,6 +144,7 @@ def run_console(log_path: Path, discard_on: tuple[type[BaseException], ...] = ()
                 for tee in tees.values():
                     tee.close_pending()
                     tee.flush()
+                    tee.release()
                 sys.stdout, sys.stderr = out, err
                 for h, stream in zip(handlers, previous, strict=True):
                     h.setStream(stream)

@@ -1,0 +1,70 @@
+"""Sweep validation before any trial: space files, ASHA settings and the shipped spaces
+(pure checks: no Ray cluster, no server)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pipelines.config import ConfigError, from_dict, load_config
+from services import sweep
+
+
+def test_space_errors_come_before_any_trial(tmp_path, digits_config):
+    base = digits_config("sqlite:///unused.db", tmp_path, steps=3)
+    bad = tmp_path / "bad.yaml"
+    cases = [
+        ({"loss.temprature": {"uniform": [0.1, 0.2]}}, "'loss.temprature' is not a config field"),
+        ({"loss.temperature": {"uniform": [-0.1, 0.2]}}, "loss.temperature=-0.1 is outside the valid domain"),
+        ({"loss.V": {"uniform": [0.5, 50]}}, "loss.V=0.5 is outside the valid domain"),
+        ({"loss.alpha": {"loguniform": [0.0, 1.0]}}, "loguniform needs low > 0"),
+        ({"optim.lr": {"normal": [0.1, 0.2]}}, "unknown domain 'normal'"),
+    ]
+    for space, message in cases:
+        bad.write_text(yaml.safe_dump(space))
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            sweep.load_sweep(base.__class__() if "V" in str(space) else base, bad, samples=2,
+                             scheduler="asha", search="optuna", max_concurrent=None, cluster_cpus=4)
+    with pytest.raises(ConfigError, match="the cluster holds 2 trial"):
+        sweep.load_sweep(base, "digits_quick", samples=4, scheduler="asha", search="optuna",
+                         max_concurrent=3, cluster_cpus=4)
+    with pytest.raises(ConfigError, match="Optuna samples"):
+        bad.write_text(yaml.safe_dump({"optim.lr": {"grid": [0.001, 0.01]}}))
+        sweep.load_sweep(base, bad, samples=2, scheduler="asha", search="optuna", max_concurrent=None,
+                         cluster_cpus=4)
+    ok = dict(samples=2, scheduler="asha", search="random", max_concurrent=None, cluster_cpus=4)
+    with pytest.raises(ConfigError, match="train.eval_every must be 1 in a sweep"):
+        sweep.load_sweep(from_dict({**base.to_dict(), "train": {**base.to_dict()["train"], "eval_every": 2}}),
+                         "digits_quick", **ok)
+    with pytest.raises(ConfigError, match="ASHA grace period must be in"):
+        sweep.load_sweep(base, "digits_quick", grace_period=base.train.epochs + 1, **ok)
+    with pytest.raises(ConfigError, match="reduction factor must be >= 2"):
+        sweep.load_sweep(base, "digits_quick", reduction_factor=1, **ok)
+    with pytest.raises(ConfigError, match="preset point 0: loss.nope not in the search space"):
+        sweep.load_sweep(base, "digits_quick", points=[{"loss.nope": 1.0}], **ok)
+    with pytest.raises(ConfigError, match="3 preset points but only 2 trial"):
+        sweep.load_sweep(base, "digits_quick", points=[{}, {}, {}], **ok)
+
+
+def test_cli_passes_asha_settings_and_rejects_bad_ones_before_any_trial(capsys, tmp_path):
+    from services import cli
+
+    runs = tmp_path / "runs"
+    argv = ["tune", "--space", "digits_quick", "--samples", "2", f"tracking.storage_path={runs}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    assert cli.main([*argv, "--grace", "99"]) == 2
+    assert "ASHA grace period must be in [1, train.epochs=" in capsys.readouterr().err
+    assert cli.main([*argv, "--reduction-factor", "1"]) == 2
+    assert "ASHA reduction factor must be >= 2, got 1" in capsys.readouterr().err
+    assert not runs.exists() and not (tmp_path / "mlflow.db").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("space", sorted(p.name for p in sweep.SEARCH_DIR.glob("*.yaml")))
+def test_shipped_spaces_validate(space):
+    recipe = {"proxy_isa.yaml": "proxy_isa_cub", "proxy_nca_pp.yaml": "proxy_nca_pp_cub",
+              "proxy_synthesis.yaml": "proxy_synthesis_cub",
+              "emoji_proxy_anchor.yaml": "emoji_proxy_anchor"}.get(space, "digits")
+    base = load_config(recipe)
+    spec = sweep.load_sweep(base, space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
+                            cluster_cpus=64)
+    assert spec.space and spec.name().startswith("sweep-")
