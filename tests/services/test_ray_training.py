@@ -8,7 +8,6 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines.config import load_config
 from pipelines.train import CHECKPOINT_FILES
 from services import training
 
@@ -18,15 +17,8 @@ METRIC_KEYS = {"recall_at_1", "recall_at_2", "recall_at_4", "recall_at_8", "map_
                "precision_at_1", "loss"}
 
 
-def _cfg(tmp_path: Path, uri: str, epochs: int):
-    return load_config("digits", [
-        f"train.epochs={epochs}", "train.max_steps_per_epoch=6", "scaling.num_workers=2",
-        f"tracking.tracking_uri={uri}", f"tracking.storage_path={tmp_path / 'runs'}",
-    ])
-
-
-def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_path, local_mlflow):
-    cfg = _cfg(tmp_path, local_mlflow, epochs=2)
+def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_path, local_mlflow, digits_config):
+    cfg = digits_config(local_mlflow, tmp_path / "runs", epochs=2, steps=6)
     first = training.train(cfg)
     assert not first.resumed
     assert first.metrics["epoch"] == 2
@@ -74,7 +66,7 @@ def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_pa
     loss_history = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
 
     # Same run started again with one more epoch: resumes from epoch 2, same MLflow run.
-    second = training.train(_cfg(tmp_path, local_mlflow, epochs=3))
+    second = training.train(digits_config(local_mlflow, tmp_path / "runs", epochs=3, steps=6))
     assert second.resumed and second.mlflow_run_id == first.mlflow_run_id
     assert second.metrics["epoch"] == 3
     history = client.get_metric_history(run.info.run_id, "loss")
