@@ -1,24 +1,32 @@
-"""Data snapshots: an image folder (``train/<class>/<file>``, ``test/<class>/<file>``) with a
-``manifest.json`` of sha256 sums, local or under an ``s3://bucket/prefix``.
+"""Manifests of sha256 sums for data on local disk or under an ``s3://bucket/prefix``, and the
+verified, per-node cached download of such data.
 
-:func:`fetch_snapshot` gives a verified local copy: a local folder is verified in place; an
-S3 prefix is downloaded into a cache folder named by the snapshot's content (the same
-snapshot always lands in the same folder) and verified there. Every refusal is a
-:class:`SnapshotError` whose message names the snapshot and the offending file.
+Two kinds of folder carry a ``manifest.json``:
 
-``manifest.json`` holds ``snapshot_id``, ``created_at``, ``files`` (path -> sha256) and
-``checksum``: the sha256 of the ``sha256sum``-style listing of ``files``
-(:func:`manifest_checksum`). :func:`write_manifest` writes one. Used by retraining
-(``services/retrain.py``); nothing here imports Ray or MLflow.
+- a *snapshot* (retraining): an image folder ``train/<class>/<file>``, ``test/<class>/<file>``;
+  :func:`fetch_snapshot` gives a verified local copy (a local folder is verified in place; an
+  S3 prefix is downloaded into a cache folder named by the snapshot's content) and checks the
+  class split;
+- a *data set* (``data.root=s3://...``, any loader's layout: folder, emoji, CUB, Cars, SOP,
+  In-Shop): :func:`fetch_dataset` downloads it once per node into a cache keyed by the prefix
+  and the manifest's checksum; ``proxydml data push`` uploads one (:func:`push_dataset`).
+
+``manifest.json`` holds ``snapshot_id`` (the data's name), ``created_at``, ``files`` (path ->
+sha256) and ``checksum``: the sha256 of the ``sha256sum``-style listing of ``files``
+(:func:`manifest_checksum`). Every refusal is a :class:`SnapshotError` whose message names the
+data and the offending file. Nothing here imports Ray or MLflow.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,9 @@ from services.s3 import s3_client
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
 _HASH_CHUNK = 1 << 20
+# Written last into a data-set cache folder, once every file is downloaded and verified: a
+# folder without it is an interrupted fill and is completed (not trusted) by the next process.
+COMPLETE = ".complete"
 
 
 class SnapshotError(ValueError):
@@ -72,22 +83,49 @@ def _data_files(root: Path) -> list[str]:
     return out
 
 
+def dataset_files(root: Path) -> list[str]:
+    """Every file under ``root`` but its ``manifest.json``, as sorted POSIX relative paths."""
+    return sorted(rel for p in root.rglob("*") if p.is_file() and (rel := p.relative_to(root).as_posix()) != MANIFEST)
+
+
+def build_manifest(root: Path, manifest_id: str, files: list[str]) -> dict[str, Any]:
+    """The manifest of ``files`` (paths relative to ``root``) under the name ``manifest_id``."""
+    if not manifest_id:
+        raise SnapshotError("a snapshot id is required")
+    if not files:
+        raise SnapshotError(f"{root} holds no files to list")
+    digests = {rel: sha256_file(root / rel) for rel in files}
+    return {"snapshot_id": manifest_id, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": digests, "checksum": manifest_checksum(digests)}
+
+
 def write_manifest(root: str | Path, snapshot_id: str) -> dict[str, Any]:
     """Write ``root/manifest.json`` for an image-folder snapshot and return it."""
     root = Path(root)
-    if not snapshot_id:
-        raise SnapshotError("a snapshot id is required")
-    files = {rel: sha256_file(root / rel) for rel in _data_files(root)}
+    files = _data_files(root)
     if not files:
         raise SnapshotError(f"{root} holds no files under train/ or test/")
-    manifest = {"snapshot_id": snapshot_id, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "files": files, "checksum": manifest_checksum(files)}
+    manifest = build_manifest(root, snapshot_id, files)
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
 
-def parse_manifest(text: str, where: str) -> dict[str, Any]:
-    """Check a manifest's structure and its overall checksum against its own file list."""
+def _check_listed_path(rel: str, where: str, snapshot: bool) -> None:
+    parts = rel.split("/")
+    # Nothing outside the folder: no absolute path, no empty, "." or ".." component.
+    outside = rel.startswith("/") or any(p in ("", ".", "..") for p in parts) or rel == MANIFEST
+    if snapshot and (outside or len(parts) != 3 or parts[0] not in SPLITS):
+        raise SnapshotError(f"{where}: {MANIFEST} lists {rel!r}; expected train/<class>/<file> or test/<class>/<file>")
+    if outside:
+        raise SnapshotError(f"{where}: {MANIFEST} lists {rel!r}, a path outside the data")
+
+
+def parse_manifest(text: str, where: str, *, snapshot: bool = True) -> dict[str, Any]:
+    """Check a manifest's structure and its overall checksum against its own file list.
+
+    ``snapshot``: the files must follow the snapshot layout (``train|test/<class>/<file>``);
+    otherwise any relative path inside the folder is allowed (a data set's own layout).
+    """
     try:
         manifest = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -102,10 +140,7 @@ def parse_manifest(text: str, where: str) -> dict[str, Any]:
     if not isinstance(checksum, str) or not checksum:
         raise SnapshotError(f"{where}: {MANIFEST} has no checksum")
     for rel, digest in files.items():
-        parts = rel.split("/")
-        # Only train/<class>/<file> and test/<class>/<file>: nothing outside the snapshot.
-        if len(parts) != 3 or parts[0] not in SPLITS or any(p in ("", ".", "..") for p in parts) or rel.startswith("/"):
-            raise SnapshotError(f"{where}: {MANIFEST} lists {rel!r}; expected train/<class>/<file> or test/<class>/<file>")
+        _check_listed_path(rel, where, snapshot)
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise SnapshotError(f"{where}: {MANIFEST}: {rel} has no sha256")
     actual = manifest_checksum(files)
@@ -152,14 +187,98 @@ def verify_snapshot(root: Path, source: str | None = None) -> Snapshot:
                     test_classes=tuple(classes["test"]))
 
 
+def cache_root() -> Path:
+    """``$PROXYDML_CACHE``, default ``~/.cache/proxydml``: this node's download cache."""
+    return Path(os.environ.get("PROXYDML_CACHE") or Path.home() / ".cache" / "proxydml")
+
+
 def default_cache_dir() -> Path:
     """``$PROXYDML_CACHE/snapshots``, default ``~/.cache/proxydml/snapshots``."""
-    return Path(os.environ.get("PROXYDML_CACHE") or Path.home() / ".cache" / "proxydml") / "snapshots"
+    return cache_root() / "snapshots"
 
 
 def safe_name(text: str, limit: int = 48) -> str:
     """``text`` reduced to a file-name-safe ``[A-Za-z0-9._-]`` slug of at most ``limit`` characters."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:limit] or "x"
+
+
+def split_s3(location: str, option: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> (bucket, prefix without slashes at either end)."""
+    bucket, _, prefix = location.removeprefix("s3://").partition("/")
+    if not bucket:
+        raise SnapshotError(f"{option} {location}: no bucket")
+    return bucket, prefix.strip("/")
+
+
+def _key(prefix: str, rel: str) -> str:
+    return f"{prefix}/{rel}" if prefix else rel
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A manifest read from S3, checked, and what is needed to download its files."""
+
+    location: str
+    bucket: str
+    prefix: str
+    text: str
+    manifest: dict[str, Any]
+    client: Any
+
+
+def _read_remote(location: str, option: str, *, snapshot: bool) -> _Remote:
+    """Read and check ``location``'s manifest (one GET) before anything is downloaded."""
+    bucket, prefix = split_s3(location, option)
+    s3 = s3_client()
+    try:
+        text = s3.get_object(Bucket=bucket, Key=_key(prefix, MANIFEST))["Body"].read().decode()
+    except s3.exceptions.NoSuchKey as exc:
+        what = "snapshot" if snapshot else "data set"
+        hint = "" if snapshot else f" (upload it with `proxydml data push FOLDER {location}`)"
+        raise SnapshotError(f"{what} {location} is missing or empty (no {MANIFEST}){hint}") from exc
+    except s3.exceptions.NoSuchBucket as exc:
+        raise SnapshotError(f"{option} {location}: bucket {bucket!r} does not exist") from exc
+    except Exception as exc:  # unreachable endpoint, refused keys: one line, not a botocore traceback
+        raise SnapshotError(f"{option} {location}: cannot read {MANIFEST}: {exc}") from exc
+    return _Remote(location, bucket, prefix, text, parse_manifest(text, location, snapshot=snapshot), s3)
+
+
+def _download(remote: _Remote, local: Path) -> int:
+    """Download every listed file whose copy under ``local`` lacks the listed sha256; each file
+    is hashed before it takes its place, so a corrupt object never lands. Returns the count."""
+    fetched = 0
+    for rel, digest in sorted(remote.manifest["files"].items()):
+        dest = local / rel
+        if dest.is_file() and sha256_file(dest) == digest:
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        try:
+            remote.client.download_file(remote.bucket, _key(remote.prefix, rel), str(part))
+        except Exception as exc:
+            raise SnapshotError(f"{remote.location}: cannot download {rel}: {exc}") from exc
+        if sha256_file(part) != digest:
+            part.unlink()
+            raise SnapshotError(f"{remote.location}: checksum mismatch for {rel}: the object differs from "
+                                f"{MANIFEST} (corrupted or replaced in the bucket; push the data again)")
+        part.replace(dest)
+        fetched += 1
+    (local / MANIFEST).write_text(remote.text)
+    return fetched
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` among the processes of this node (``flock`` on a sibling
+    file): the Ray workers of one node fill a cache folder once, the others wait and reuse it.
+    The kernel releases it when its holder dies, so a killed worker never leaves it held."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def fetch_snapshot(location: str, cache_dir: Path | None = None, *, option: str = "--data") -> Snapshot:
@@ -175,33 +294,85 @@ def fetch_snapshot(location: str, cache_dir: Path | None = None, *, option: str 
         raise SnapshotError(f"{option} must name a snapshot folder or s3://bucket/prefix")
     if not location.startswith("s3://"):
         return verify_snapshot(Path(location.removeprefix("file://")), location)
-    bucket, _, prefix = location.removeprefix("s3://").partition("/")
-    prefix = prefix.strip("/")
-    if not bucket:
-        raise SnapshotError(f"{option} {location}: no bucket")
-    s3 = s3_client()
-    key = f"{prefix}/{MANIFEST}" if prefix else MANIFEST
-    try:
-        text = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    except s3.exceptions.NoSuchKey as exc:
-        raise SnapshotError(f"snapshot {location} is missing or empty (no {MANIFEST})") from exc
-    except s3.exceptions.NoSuchBucket as exc:
-        raise SnapshotError(f"snapshot {location}: bucket {bucket!r} does not exist") from exc
-    manifest = parse_manifest(text, location)  # fail before downloading anything
+    remote = _read_remote(location, option, snapshot=True)  # fail before downloading anything
     # Cache by content: the same snapshot always lands in the same folder, so data.root (and
     # hence a resumed Ray run) is stable across calls.
+    manifest = remote.manifest
     local = (cache_dir or default_cache_dir()) / f"{safe_name(manifest['snapshot_id'])}-{manifest['checksum'][:12]}"
-    local.mkdir(parents=True, exist_ok=True)
-    for rel, digest in sorted(manifest["files"].items()):
-        dest = local / rel
-        if dest.is_file() and sha256_file(dest) == digest:
-            continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        part = dest.with_name(dest.name + ".part")
+    with _locked(local):
+        local.mkdir(parents=True, exist_ok=True)
+        _download(remote, local)
+        return verify_snapshot(local, location)
+
+
+def dataset_cache_dir(location: str, checksum: str, cache_dir: Path | None = None) -> Path:
+    """Where this node keeps the data set at ``location`` with manifest checksum ``checksum``:
+    ``$PROXYDML_CACHE/data/<bucket-prefix>-<checksum>``. A re-pushed prefix (new checksum) gets
+    a new folder; the same data under the same prefix is never downloaded twice."""
+    return (cache_dir or cache_root() / "data") / f"{safe_name(location.removeprefix('s3://'), 80)}-{checksum[:16]}"
+
+
+def fetch_dataset(location: str, cache_dir: Path | None = None, *, option: str = "data.root") -> Path:
+    """The local folder holding the data set at ``s3://bucket/prefix``, downloaded once per node.
+
+    One GET reads the manifest (its checksum names the cache folder, :func:`dataset_cache_dir`);
+    a complete cached copy is then used as is. Otherwise the first process takes the folder's
+    lock and downloads what is missing, each file checked against its sha256 before it lands
+    (a corrupt or missing object: :class:`SnapshotError` naming the file); the node's other
+    processes wait on the lock and find the copy complete. Files are hashed when they land,
+    not on every later use: a cached copy is trusted while its ``.complete`` marker is there.
+    """
+    remote = _read_remote(location, option, snapshot=False)
+    checksum = remote.manifest["checksum"]
+    local = dataset_cache_dir(location, checksum, cache_dir)
+    marker = local / COMPLETE
+    if marker.is_file() and marker.read_text() == checksum:
+        return local
+    with _locked(local):
+        if marker.is_file() and marker.read_text() == checksum:  # filled while we waited
+            return local
+        local.mkdir(parents=True, exist_ok=True)
+        _download(remote, local)
+        marker.write_text(checksum)
+    return local
+
+
+def push_dataset(folder: str | Path, location: str, dataset_id: str | None = None) -> dict[str, Any]:
+    """Upload every file under ``folder`` to ``s3://bucket/prefix`` with a ``manifest.json``.
+
+    The manifest is built in memory (nothing is written into ``folder``) and uploaded last: a
+    push that stops half way leaves no manifest, so the prefix is refused rather than read
+    incomplete. A ``manifest.json`` already in ``folder`` is not uploaded (it is replaced).
+    Returns the manifest.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise SnapshotError(f"data push: {root} is not a folder")
+    if not location.startswith("s3://"):
+        raise SnapshotError(f"data push: the destination must be s3://bucket/prefix, got {location!r}")
+    bucket, prefix = split_s3(location, "data push")
+    manifest = build_manifest(root, dataset_id or root.resolve().name, dataset_files(root))
+    s3 = s3_client()
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except Exception as exc:
+        raise SnapshotError(f"data push: bucket {bucket!r} is not reachable or does not exist: {exc}") from exc
+    for rel in manifest["files"]:
+        s3.upload_file(str(root / rel), bucket, _key(prefix, rel))
+    s3.put_object(Bucket=bucket, Key=_key(prefix, MANIFEST),
+                  Body=json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
+
+
+def install_data_resolver() -> None:
+    """Let the data loaders read ``data.root=s3://bucket/prefix`` (:func:`fetch_dataset`) in this
+    process: the driver's preflight and every Ray Train worker call it before building data."""
+    from pipelines.data import DataError, register_root_resolver
+
+    def resolve(location: str) -> Path:
         try:
-            s3.download_file(bucket, f"{prefix}/{rel}" if prefix else rel, str(part))
-        except Exception as exc:
-            raise SnapshotError(f"snapshot {location}: cannot download {rel}: {exc}") from exc
-        part.replace(dest)
-    (local / MANIFEST).write_text(text)
-    return verify_snapshot(local, location)
+            return fetch_dataset(location)
+        except SnapshotError as exc:
+            raise DataError(str(exc)) from exc
+
+    register_root_resolver("s3", resolve)

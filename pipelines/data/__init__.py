@@ -8,6 +8,7 @@ equal within the evaluation set. ``build_datasets`` is the one entry point the t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +160,34 @@ def default_root(cfg: DataConfig) -> Path:
     return Path(cfg.root or f"./data/{cfg.name}")
 
 
+# ``data.root`` values ``<scheme>://...`` (object storage) are read from a local copy that a
+# resolver registered for the scheme provides: services/ registers ``s3`` (a per-node cache,
+# services/snapshots.py). The pipeline itself never talks to the storage.
+RootResolver = Callable[[str], "str | Path"]
+_ROOT_RESOLVERS: dict[str, RootResolver] = {}
+
+
+def register_root_resolver(scheme: str, resolve: RootResolver) -> None:
+    """Read ``data.root=<scheme>://...`` from the local folder ``resolve(root)`` returns; it raises
+    DataError naming the file when the data cannot be fetched or verified."""
+    _ROOT_RESOLVERS[scheme] = resolve
+
+
+def with_local_root(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with a remote ``data.root`` replaced by its local copy (see :func:`register_root_resolver`).
+
+    Only the data loaders see the local path: the config that is logged, hashed into the run
+    name and stored with checkpoints keeps the remote URI, the same on every node.
+    """
+    if cfg.name not in FILE_DATASETS or "://" not in cfg.root:
+        return cfg
+    scheme = cfg.root.split("://", 1)[0]
+    if scheme not in _ROOT_RESOLVERS:
+        raise DataError(f"data.root={cfg.root}: no reader for {scheme}:// data in this process "
+                        "(the proxydml commands provide one for s3://)")
+    return dataclasses.replace(cfg, root=str(_ROOT_RESOLVERS[scheme](cfg.root)))
+
+
 def with_absolute_root(cfg: DataConfig) -> DataConfig:
     """``cfg`` with a relative ``data.root`` (or the default ``./data/<name>``) made absolute.
 
@@ -253,10 +282,12 @@ def build_datasets(cfg: DataConfig) -> DataSplit:
     """Build the train/eval split named by ``cfg.name`` and check it.
 
     With ``data.val_classes`` > 0 the evaluation set is a held-out part of the seen classes
-    (``hold_out_classes``); the unseen classes are then not read at all.
+    (``hold_out_classes``); the unseen classes are then not read at all. A remote ``data.root``
+    is read from its local copy (:func:`with_local_root`).
     """
     if cfg.name not in DATASETS:
         raise ConfigError(f"data.name: unknown dataset {cfg.name!r}; known: {', '.join(DATASETS)}")
+    cfg = with_local_root(cfg)
     split = check_split(DATASETS[cfg.name](cfg), cfg.name)
     if cfg.val_classes:
         split = check_split(hold_out_classes(split, cfg.val_classes, cfg.name), cfg.name)
@@ -297,4 +328,6 @@ __all__ = [
     "check_training_classes",
     "dataset_labels",
     "hold_out_classes",
+    "register_root_resolver",
+    "with_local_root",
 ]
