@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from tests.reference.losses_ref import ISAHyper
+
 
 def l2_norm(x: Tensor) -> Tensor:
     """Rows of x (N, d) over sqrt(|x|^2 + 1e-12), as the authors' ``l2_norm``."""
@@ -40,13 +42,7 @@ class OfficialISA:
     num_classes: int
     dim: int
     memory_size: int
-    alpha: float = 32.0
-    delta: float = 0.1
-    V: float = 100.0
-    k: float = 0.9
-    lam: float = 0.1
-    h: float = 0.15
-    tau: float = 1.5
+    hp: ISAHyper = field(default_factory=ISAHyper)  # alpha, delta, V, k, lam, h, tau
     count: Tensor = field(init=False)
     effective_num: Tensor = field(init=False)
     learned_sim: Tensor = field(init=False)
@@ -66,8 +62,8 @@ class OfficialISA:
         """(sigma, 1 / max(1, E), S_out), each (C,), from the current state."""
         e, s_l = self.effective_num, self.learned_sim
         nu = 1.0 / (1.0 + torch.log(1.0 + e))
-        sigma = (1.0 + math.exp(-self.tau)) * (nu - 1.0) / (1.0 + torch.exp(self.V - self.tau - e)) + 1.0
-        eta = (1.0 + self.k * (1.0 - s_l)) * nu + self.lam
+        sigma = (1.0 + math.exp(-self.hp.tau)) * (nu - 1.0) / (1.0 + torch.exp(self.hp.V - self.hp.tau - e)) + 1.0
+        eta = (1.0 + self.hp.k * (1.0 - s_l)) * nu + self.hp.lam
         return sigma, 1.0 / torch.clamp(e, min=1.0), s_l - eta
 
     def loss(self, x: Tensor, p: Tensor, y: Tensor, filter_on: bool) -> Tensor:
@@ -83,8 +79,8 @@ class OfficialISA:
         else:
             w_pos = torch.ones_like(c)
         w_neg = torch.where(c < s_out, neg_scale, torch.ones_like(neg_scale)).expand_as(c)
-        pos_exp = torch.exp(self.alpha * w_pos * (self.delta - cos))
-        neg_exp = torch.exp(self.alpha * w_neg * (cos + self.delta))
+        pos_exp = torch.exp(self.hp.alpha * w_pos * (self.hp.delta - cos))
+        neg_exp = torch.exp(self.hp.alpha * w_neg * (cos + self.hp.delta))
         n_pos, n_neg = pos_mask.sum(dim=0), neg_mask.sum(dim=0)
         with_pos, with_neg = n_pos > 0, n_neg > 0
         q_pos = torch.log(1.0 + (pos_mask * pos_exp).sum(dim=0))
@@ -103,7 +99,7 @@ class OfficialISA:
             clean = s_pos >= s_out[y]
         else:
             clean = torch.ones_like(y, dtype=torch.bool)
-        beta = (self.V - 1.0) / self.V
+        beta = (self.hp.V - 1.0) / self.hp.V
         for c in torch.unique(y[clean]).tolist():
             self.count[c] += int((y[clean] == c).sum())
             self.effective_num[c] = (1.0 - beta ** int(self.count[c])) / (1.0 - beta)
@@ -114,7 +110,7 @@ class OfficialISA:
         for c in torch.unique(y).tolist():  # every class of the batch, clean or not
             rows = self.mem_targets == c
             if bool(rows.any()):
-                self.learned_sim[c] = self.h * (self.mem_feats[rows] @ p_hat[c]).mean()
+                self.learned_sim[c] = self.hp.h * (self.mem_feats[rows] @ p_hat[c]).mean()
 
     def step(self, x: Tensor, p: Tensor, y: Tensor, memory_on: bool, filter_on: bool) -> Tensor:
         """One official step: the loss from the state before it, then the update."""

@@ -9,6 +9,7 @@ import torch
 
 from proxies import ProxyISALoss, ProxySynthesis
 from tests.proxies.isa_official_ref import OfficialISA
+from tests.reference.losses_ref import ISAHyper
 
 TOL = 1e-9
 C, D = 4, 6
@@ -124,7 +125,7 @@ def test_training_sequence_matches_official_step(seed):
     c, d, size = 6, 5, 13
     hp = {"k": 0.4, "h": 0.5, "lam": 0.05}
     isa = ProxyISALoss(c, d, memory_size=size, **hp).double()
-    ref = OfficialISA(c, d, size, **hp)
+    ref = OfficialISA(c, d, size, ISAHyper(**hp))
     g = torch.Generator().manual_seed(100 + seed)
     all_outlier_refreshes = 0
     for step in range(10):

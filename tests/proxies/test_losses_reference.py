@@ -142,7 +142,7 @@ def test_proxy_isa_training_sequence_matches_reference():
     c, d, size = 6, 5, 13
     hp = ISAHyper(k=0.4, h=0.5, lam=0.05)
     isa = ProxyISALoss(c, d, k=hp.k, lam=hp.lam, h=hp.h, memory_size=size).double()
-    official = OfficialISA(c, d, size, k=hp.k, lam=hp.lam, h=hp.h)
+    official = OfficialISA(c, d, size, hp)
     g = torch.Generator().manual_seed(7)
     for step in range(8):
         epoch = step // 2  # memory from epoch 2, filter from epoch 3
