@@ -1,0 +1,97 @@
+"""Which Ray cluster a command joins: without an address a fresh local instance (never the dead
+one a stale /tmp/ray/ray_current_cluster names), ``--address auto`` the running one, and an
+address where no cluster answers one line and exit 2 at once.
+
+Every command runs with its own Ray temp folder ($RAY_TMPDIR): the stale file written here
+must not reach other Ray users on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.ray]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # closed on exit: nothing listens there
+
+
+@pytest.fixture
+def stale_ray_tmp():
+    """A Ray temp folder whose ray_current_cluster names a dead cluster, as a killed
+    ``ray.cluster_utils.Cluster`` leaves it. Short: Ray's socket paths must fit 107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="pdml-ray-", dir="/tmp"))
+    dead = _dead_address()
+    (folder / "ray").mkdir()
+    (folder / "ray" / "ray_current_cluster").write_text(dead)
+    yield folder, dead
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _cli(args: list[str], cwd: Path, ray_tmp: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    environ.update(PYTHONPATH=str(ROOT), RAY_TMPDIR=str(ray_tmp), **env)
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_dead_addresses_fail_at_once_with_one_line(stale_ray_tmp, tmp_path):
+    ray_tmp, stale = stale_ray_tmp
+    common = ["train.epochs=1", f"tracking.storage_path={tmp_path / 'runs'}",
+              f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    dead = _dead_address()
+    cases = [
+        (["train", "--address", dead, *common], {}, f"error: no Ray cluster at {dead} (--address)"),
+        (["train", *common], {"RAY_ADDRESS": dead}, f"error: no Ray cluster at {dead} ($RAY_ADDRESS)"),
+        # auto: the cluster the stale file names, which is dead.
+        (["train", "--address", "auto", *common], {}, f"error: no Ray cluster at {stale} (--address auto)"),
+        (["tune", "--address", dead, "--space", "digits_quick", "--samples", "2", *common], {},
+         f"error: no Ray cluster at {dead} (--address)"),
+    ]
+    for args, env, line in cases:
+        started = time.monotonic()
+        out = _cli(args, tmp_path, ray_tmp, timeout=120, **env)
+        seconds = time.monotonic() - started
+        assert out.returncode == 2, out.stderr
+        err = out.stderr.strip().splitlines()
+        assert err[-1].startswith(line) and "Traceback" not in out.stderr, out.stderr
+        assert seconds < 60, f"{args[:3]}: {seconds:.0f} s"  # Ray's own retries take minutes
+    assert not (tmp_path / "runs").exists()
+    assert no_mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def no_mlflow_runs(uri: str) -> bool:
+    """True when the store holds no run (an experiment may exist: the login check makes it)."""
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return True
+    client = MlflowClient(uri)
+    return not client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def test_a_stale_current_cluster_file_does_not_stop_a_plain_train(stale_ray_tmp, tmp_path):
+    """Before: ``ValueError: When connecting to an existing cluster, num_cpus and num_gpus must
+    not be provided`` (ray.init read the file and tried to join the dead cluster)."""
+    ray_tmp, _ = stale_ray_tmp
+    out = _cli(["train", "train.epochs=1", "train.max_steps_per_epoch=2", "scaling.num_workers=1",
+                f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+               tmp_path, ray_tmp, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "unseen-class retrieval" in out.stdout
+    assert any((tmp_path / "runs").rglob("model.pt"))
