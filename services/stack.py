@@ -9,7 +9,14 @@
   s3://BUCKET/artifacts``. The S3 endpoint and keys live only in the server's environment:
   clients upload artifacts through the server and need no S3 credentials.
 
-Everything (pid files, logs, the sqlite store, the 0600 credentials file, ``stack.json`` with
+With ``auth`` (``proxydml stack up --auth``) the MLflow server is stock
+``mlflow server --app-name basic-auth --enable-workspaces``: every request needs a login, the
+admin password is generated on first start into ``mlflow-admin.env`` (mode 0600, beside the S3
+keys, never printed), and ``proxydml stack user add NAME --role ROLE`` creates users with the
+roles of ``services/auth.py``. Without ``auth`` anyone who reaches the port can do anything:
+that stack is for one machine only.
+
+Everything (pid files, logs, the sqlite store, the 0600 credentials files, ``stack.json`` with
 the ports) lives in one state folder, default ``.proxydml/stack``. Every server listens on
 127.0.0.1 only. Each service runs in its own session (process group), so ``down`` stops the
 server with every child it spawned (MLflow's uvicorn) and the processes outlive the CLI.
@@ -37,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from services import auth
 from services.s3 import Credentials, ray_storage, s3_client
 from services.uris import redact
 
@@ -52,6 +60,13 @@ SERVICES = ("s3", "mlflow")
 BACKEND_URI_ENV = "PROXYDML_STACK_BACKEND_STORE_URI"
 CREDENTIALS_FILE = "credentials.env"
 STATE_FILE = "stack.json"
+# --auth: the admin login and the server's CSRF key (mode 0600), the auth app's config (no
+# secret in it), its user store, and one MLflow credentials file per user added here.
+ADMIN_FILE = "mlflow-admin.env"
+AUTH_CONFIG_FILE = "basic_auth.ini"
+AUTH_DB_FILE = "basic_auth.db"
+USERS_DIR = "users"
+_FLASK_KEY_ENV = "MLFLOW_FLASK_SERVER_SECRET_KEY"
 # Substrings of the command line that identify our servers: a pid file whose pid now belongs
 # to an unrelated process (pid reuse after a reboot) must not be reported as up nor killed.
 _CMDLINE_MARKERS = {"s3": ("moto", "minio"), "mlflow": ("mlflow",)}
@@ -217,6 +232,7 @@ class Stack:
         backend_store_uri: str | None = None,
         credentials: Credentials | None = None,
         s3_server: str | None = None,
+        auth: bool | None = None,
         start_timeout: float = 120.0,
         stop_timeout: float = 10.0,
     ) -> None:
@@ -233,6 +249,9 @@ class Stack:
         )
         self._explicit_credentials = credentials
         self.s3_server = s3_server or saved.get("s3_server") or ("minio" if shutil.which("minio") else "moto")
+        # Like the ports, auth is remembered: a later plain ``up`` never drops authentication.
+        self._saved_auth = bool(saved.get("auth", False))
+        self.auth = self._saved_auth if auth is None else auth
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -273,6 +292,43 @@ class Stack:
         self._explicit_credentials = self._explicit_credentials or creds  # stable for this object
         return creds
 
+    def admin_login(self) -> tuple[str, str]:
+        """(username, password) of the MLflow admin of an ``auth`` stack (from its 0600 file)."""
+        values = _read_env_file(self.state_dir / ADMIN_FILE)
+        if not values.get("MLFLOW_TRACKING_PASSWORD"):
+            raise StackError(f"no admin login in {self.state_dir / ADMIN_FILE}: is this stack started with --auth?")
+        return values.get("MLFLOW_TRACKING_USERNAME", auth.ADMIN_USERNAME), values["MLFLOW_TRACKING_PASSWORD"]
+
+    def user_credentials_file(self, username: str) -> Path:
+        """``STATE/users/NAME.credentials``: the MLflow credentials file written by :meth:`add_user`."""
+        return self.state_dir / USERS_DIR / f"{auth.check_username(username)}.credentials"
+
+    def add_user(self, username: str, role: str, *, experiments: tuple[str, ...] = (), models: tuple[str, ...] = (),
+                 password: str | None = None) -> tuple[auth.UserResult, Path | None]:
+        """Create or update a user of this ``auth`` stack (see :meth:`services.auth.AuthAdmin.add_user`).
+
+        A new user without ``password`` gets a generated one. A password set here (generated or
+        given) is written only to :meth:`user_credentials_file` (mode 0600, the format of
+        ``~/.mlflow/credentials``). Returns the result and that file (None: password unchanged).
+        """
+        if not self.auth:
+            raise StackError("this stack runs MLflow without authentication: it has no users "
+                             "(proxydml stack down, then proxydml stack up --auth)")
+        if not self.is_running("mlflow"):
+            raise StackError("mlflow is not running: proxydml stack up --auth first")
+        try:
+            path = self.user_credentials_file(username)
+            result = auth.AuthAdmin(self.tracking_uri, *self.admin_login()).add_user(
+                username, role, password, experiments=experiments, models=models)
+        except ValueError as exc:
+            raise StackError(str(exc)) from exc
+        if result.password is None:  # an existing user keeps its password
+            return result, None
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        _write_private(path, "[mlflow]\n"
+                       f"mlflow_tracking_username = {username}\nmlflow_tracking_password = {result.password}\n")
+        return result, path
+
     def pid_file(self, name: str) -> Path:
         """``STATE/<name>.pid``: present exactly while the service was started and not stopped."""
         return self.state_dir / f"{name}.pid"
@@ -303,6 +359,9 @@ class Stack:
     def up(self) -> list[str]:
         """Start whatever is not running; returns one message per service. Idempotent."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_running("mlflow") and self.auth != self._saved_auth:
+            raise StackError(f"mlflow is running {'without' if self._saved_auth is False else 'with'} authentication; "
+                             f"stop it first (proxydml stack down --state-dir {self.state_dir})")
         # Check every port before starting anything, so a conflict leaves nothing half started.
         for name in SERVICES:
             if not self.is_running(name) and self._ports[name] and port_in_use(self._ports[name]):
@@ -322,6 +381,8 @@ class Stack:
             url = self.s3_endpoint if name == "s3" else self.tracking_uri
             healthy = running and self._healthy(name, timeout=1.0)
             detail = self.s3_server if name == "s3" else f"store {redact(self.backend_store_uri)}"
+            if name == "mlflow" and self.auth:
+                detail += ", basic-auth"
             out[name] = ServiceStatus(name, running, pid if running else None, url, healthy, detail)
         return out
 
@@ -361,6 +422,8 @@ class Stack:
             self._wait_healthy(name, proc)
             if name == "s3":
                 self._ensure_bucket(creds)
+            elif self.auth:
+                auth.AuthAdmin(self.tracking_uri, *self.admin_login()).ensure_roles()
         except BaseException:
             self._terminate(name, proc.pid)
             raise
@@ -421,6 +484,9 @@ class Stack:
             "--artifacts-destination", f"s3://{self.bucket}/artifacts",
             "--host", HOST, "--port", str(self._ports["mlflow"]), "--workers", "1",
         ]
+        if self.auth:
+            cmd += ["--app-name", "basic-auth", "--enable-workspaces"]
+            env.update(self._auth_server_env())
         if urlsplit(self.backend_store_uri).password:
             # A database password stays out of the command line (ps, the log header).
             env["MLFLOW_BACKEND_STORE_URI"] = self.backend_store_uri
@@ -434,13 +500,51 @@ class Stack:
         env["AWS_EC2_METADATA_DISABLED"] = "true"
         env["MLFLOW_DISABLE_TELEMETRY"] = "true"  # the servers report nothing outside
         env["DO_NOT_TRACK"] = "true"
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-            env.pop(key, None)  # only the stack's own keys reach the servers
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                    "MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD",
+                    _FLASK_KEY_ENV, *auth.CREDENTIAL_ENV):
+            env.pop(key, None)  # only the stack's own keys and settings reach the servers
         # No proxy for loopback (a corporate HTTP_PROXY would swallow 127.0.0.1 requests).
         env["NO_PROXY"] = env["no_proxy"] = ",".join(
             x for x in (env.get("NO_PROXY"), "127.0.0.1", "localhost") if x
         )
         return env
+
+    def _auth_server_env(self) -> dict[str, str]:
+        """The basic-auth app's settings: its config file (no secret) and, through the
+        environment only, the admin password and the CSRF key, generated on first start."""
+        secrets_file = self.state_dir / ADMIN_FILE
+        values = _read_env_file(secrets_file)
+        if not values.get("MLFLOW_TRACKING_PASSWORD"):
+            if (self.state_dir / AUTH_DB_FILE).exists():
+                # MLflow creates the admin once, with the password it is given then.
+                raise StackError(f"{self.state_dir / AUTH_DB_FILE} exists but its admin password "
+                                 f"({secrets_file}) is gone; restore that file, or delete the user store to "
+                                 "start over without users")
+            values = {"MLFLOW_TRACKING_USERNAME": auth.ADMIN_USERNAME,
+                      "MLFLOW_TRACKING_PASSWORD": auth.generate_password(),
+                      _FLASK_KEY_ENV: auth.generate_password()}
+            _write_env_file(secrets_file, values)
+        config = self.state_dir / AUTH_CONFIG_FILE
+        config.write_text(
+            "# Written by proxydml stack up --auth. No secret here: the admin password reaches the server\n"
+            "# through MLFLOW_AUTH_ADMIN_PASSWORD (see mlflow-admin.env, mode 0600).\n"
+            "[mlflow]\n"
+            # Members of the workspace (trainers, maintainers) read what they are not granted;
+            # readers hold explicit READ grants and no membership (services/auth.py).
+            "default_permission = READ\n"
+            f"database_uri = sqlite:///{self.state_dir / AUTH_DB_FILE}\n"
+            f"admin_username = {values.get('MLFLOW_TRACKING_USERNAME', auth.ADMIN_USERNAME)}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            "grant_default_workspace_access = false\n"
+            # A verified login is remembered for 60 s (per server worker; we run one): each
+            # check is a scrypt hash, measured ~0.4 s of CPU per request here without it.
+            # Password and user changes through the API take effect at once all the same.
+            "auth_cache_ttl_seconds = 60\n"
+        )
+        return {"MLFLOW_AUTH_CONFIG_PATH": str(config),
+                "MLFLOW_AUTH_ADMIN_PASSWORD": values["MLFLOW_TRACKING_PASSWORD"],
+                _FLASK_KEY_ENV: values.get(_FLASK_KEY_ENV) or auth.generate_password()}
 
     def _wait_healthy(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -518,41 +622,68 @@ class Stack:
     def _save_state(self) -> None:
         # Only non-secret facts: ports, bucket, server kind.
         state = {"s3_port": self._ports["s3"], "mlflow_port": self._ports["mlflow"],
-                 "bucket": self.bucket, "s3_server": self.s3_server}
+                 "bucket": self.bucket, "s3_server": self.s3_server, "auth": self.auth}
+        self._saved_auth = self.auth
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
 
     def _load_credentials(self) -> Credentials | None:
-        values = {}
-        try:
-            for line in (self.state_dir / CREDENTIALS_FILE).read_text().splitlines():
-                key, _, value = line.removeprefix("export ").partition("=")
-                values[key.strip()] = value.strip()
-        except OSError:
-            return None
-        return Credentials.from_env(values)
+        path = self.state_dir / CREDENTIALS_FILE
+        return Credentials.from_env(_read_env_file(path)) if path.exists() else None
 
     def _write_credentials(self, creds: Credentials) -> None:
-        """Shell-sourceable, mode 0600 from creation on (never world-readable, even briefly)."""
-        path = self.state_dir / CREDENTIALS_FILE
-        text = "".join(f"export {k}={v}\n" for k, v in creds.env().items())
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(path, 0o600)  # an older file may have had wider bits
+        _write_env_file(self.state_dir / CREDENTIALS_FILE, creds.env())
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` with mode 0600 from creation on (never world-readable, even briefly)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(path, 0o600)  # an older file may have had wider bits
+
+
+def _write_env_file(path: Path, values: dict[str, str]) -> None:
+    """A shell-sourceable ``export KEY=VALUE`` file, mode 0600 (the stack's secrets files)."""
+    _write_private(path, "".join(f"export {k}={v}\n" for k, v in values.items()))
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    """The KEY=VALUE pairs of a file written by :func:`_write_env_file` ({} when missing)."""
+    values = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            values[key.strip()] = value.strip()
+    except OSError:
+        return {}
+    return values
 
 
 # ---------------------------------------------------------------- CLI -------------------------
 
 
 def cli(action: str, state_dir: str | None = None, s3_port: int | None = None,
-        mlflow_port: int | None = None) -> int:
-    """``proxydml stack up|down|status``; returns the exit code (errors raise StackError)."""
-    stack = Stack(state_dir or DEFAULT_STATE_DIR, s3_port=s3_port, mlflow_port=mlflow_port)
+        mlflow_port: int | None = None, *, auth_on: bool = False) -> int:
+    """``proxydml stack up [--auth]|down|status``; returns the exit code (errors raise StackError).
+
+    ``auth_on``: ``up --auth``; without it ``up`` keeps what this state folder had.
+    """
+    stack = Stack(state_dir or DEFAULT_STATE_DIR, s3_port=s3_port, mlflow_port=mlflow_port,
+                  auth=True if auth_on else None)
     if action == "up":
         started = time.monotonic()
         for msg in stack.up():
             print(msg, flush=True)
         print(f"stack up in {time.monotonic() - started:.1f} s; state in {stack.state_dir}")
+        if stack.auth:
+            print("\n# MLflow asks every client for a login (basic auth). The admin login is in "
+                  f"{stack.state_dir / ADMIN_FILE} (mode 0600; the password is not shown).")
+            print("# Add users:  proxydml stack user add NAME --role reader|trainer|maintainer "
+                  f"(their login: {stack.state_dir / USERS_DIR}/NAME.credentials, mode 0600)")
+            print("# Clients read MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, else ~/.mlflow/credentials.")
+        else:
+            print("\n# No authentication: anyone who reaches the port can do anything. For this machine only;"
+                  " a team uses: proxydml stack up --auth")
         print("\n# MLflow clients need only the tracking URI (artifacts go through the server):")
         for key, value in stack.client_env().items():
             print(f"export {key}={value}")
@@ -571,3 +702,41 @@ def cli(action: str, state_dir: str | None = None, s3_port: int | None = None,
             print(st.line())
         return 0 if all(st.healthy for st in statuses) else 3
     raise ValueError(f"unknown stack action {action!r}")
+
+
+def cli_user_add(state_dir: str | None, username: str, role: str, *, experiments: list[str] | None = None,
+                 models: list[str] | None = None, tracking_uri: str | None = None,
+                 password_env: str | None = None) -> int:
+    """``proxydml stack user add NAME --role ROLE``: on this stack (admin login from its 0600
+    file), or on the basic-auth server at ``tracking_uri`` (admin login from the environment).
+
+    ``password_env``: take the password from that environment variable instead of generating
+    one (never from the command line, where ``ps`` and shell history would show it).
+    """
+    password = None
+    if password_env:
+        password = os.environ.get(password_env)
+        if not password:
+            raise StackError(f"--password-env {password_env}: ${password_env} is not set")
+    if tracking_uri:
+        try:
+            result = auth.AuthAdmin(tracking_uri).add_user(username, role, password, experiments=experiments or (),
+                                                           models=models or (), generate=False)
+        except ValueError as exc:
+            raise StackError(str(exc)) from exc
+        path = None
+    else:
+        stack = Stack(state_dir or DEFAULT_STATE_DIR)
+        result, path = stack.add_user(username, role, experiments=tuple(experiments or ()),
+                                      models=tuple(models or ()), password=password)
+    print(f"user {result.username}: {'created' if result.created else 'updated'}, role {result.role} "
+          f"({auth.ROLES[result.role].summary})")
+    for grant in result.grants:
+        print(f"  grant: {grant}")
+    if path is not None:
+        print(f"  login: {path} (mode 0600; hand it over, the user copies it to ~/.mlflow/credentials)")
+    elif result.password is not None:
+        print(f"  password: set from ${password_env}")
+    else:
+        print("  password unchanged")
+    return 0

@@ -155,3 +155,30 @@ def test_secrets_stay_off_command_lines_and_reprs(tmp_path):
     assert env["AWS_SECRET_ACCESS_KEY"] == TEST_CREDENTIALS.secret_key  # the server's env only
     assert "db-pass" not in st.status()["mlflow"].line()
     assert TEST_CREDENTIALS.secret_key not in repr(TEST_CREDENTIALS)
+
+
+def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_path):
+    plain = Stack(tmp_path / "plain", s3_port=free_port(), mlflow_port=free_port(), credentials=TEST_CREDENTIALS)
+    cmd, env = plain._mlflow_command(TEST_CREDENTIALS)
+    assert "--app-name" not in cmd and not any(k.startswith("MLFLOW_AUTH") for k in env)  # as before --auth
+    with pytest.raises(StackError, match="without authentication: it has no users"):
+        plain.add_user("ana", "reader")
+
+    authed = Stack(tmp_path / "auth", s3_port=free_port(), mlflow_port=free_port(), credentials=TEST_CREDENTIALS,
+                   auth=True)
+    authed.state_dir.mkdir()
+    cmd, env = authed._mlflow_command(TEST_CREDENTIALS)
+    assert cmd[cmd.index("--app-name") + 1] == "basic-auth" and "--enable-workspaces" in cmd
+    user, password = authed.admin_login()
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"] == password and env["MLFLOW_FLASK_SERVER_SECRET_KEY"]
+    assert not any(password in c for c in cmd)
+    assert (authed.state_dir / "mlflow-admin.env").stat().st_mode & 0o777 == 0o600
+    assert password not in (authed.state_dir / "basic_auth.ini").read_text()
+    # MLflow creates the admin once: every later start passes the same password.
+    assert authed._mlflow_command(TEST_CREDENTIALS)[1]["MLFLOW_AUTH_ADMIN_PASSWORD"] == password
+    authed._save_state()
+    assert Stack(authed.state_dir).auth is True and password not in (authed.state_dir / "stack.json").read_text()
+    (authed.state_dir / "mlflow-admin.env").unlink()
+    (authed.state_dir / "basic_auth.db").touch()
+    with pytest.raises(StackError, match="admin password .* is gone"):
+        authed._mlflow_command(TEST_CREDENTIALS)
