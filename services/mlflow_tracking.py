@@ -2,6 +2,11 @@
 
 A run is found again by its ``ray_run_name`` tag, so starting the same training run twice
 (a resume) appends to the same MLflow run instead of creating a second one.
+
+On a server with authentication (``services/auth.py``) the login comes from the environment
+or ``~/.mlflow/credentials``, never from the config; a 401/403 becomes one
+:class:`services.auth.AuthError` naming the user and the missing permission, and is never
+retried as an outage.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import mlflow  # noqa: E402
 from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from pipelines.config import Config  # noqa: E402
+from pipelines.config import Config, ConfigError  # noqa: E402
+from services import auth  # noqa: E402
+from services.uris import redact  # noqa: E402
 
 # MLflow caps a param value at 6000 characters and a batch at 100 params.
 _PARAM_BATCH = 100
@@ -39,8 +46,16 @@ def local_store(root: Path | None = None) -> tuple[str, str]:
 
 def resolve_tracking_uri(explicit: str | None = None) -> str:
     """The MLflow tracking URI: ``explicit`` (a --tracking-uri flag, ``tracking.tracking_uri``),
-    else $MLFLOW_TRACKING_URI, else the local sqlite store (:func:`local_store`)."""
-    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
+    else $MLFLOW_TRACKING_URI, else the local sqlite store (:func:`local_store`).
+
+    A URI carrying a password (``http://user:pw@host``) is refused: the URI is a run param, a
+    Ray train-loop setting and a report line, so the password would be logged with them.
+    """
+    uri = explicit or os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
+    if uri.startswith(("http://", "https://")) and "@" in uri.split("/", 3)[2]:
+        raise ConfigError(f"tracking URI {redact(uri)} carries a login; it would be logged with the run: "
+                          f"give the URI without it and the login apart ({auth.CREDENTIALS_HINT})")
+    return uri
 
 
 def git_sha() -> str:
@@ -79,23 +94,52 @@ def run_tags(cfg: Config) -> dict[str, str]:
     }
 
 
+def experiment_needs(name: str) -> tuple[auth.Need, auth.Need, auth.Need]:
+    """(read, create, log) permissions of experiment ``name``, for :func:`services.auth.guard`."""
+    quoted = f"experiment {name!r}"
+    return (auth.Need("READ", quoted, "find its runs", "--role reader"),
+            auth.Need("workspace USE (role trainer or maintainer)", "the MLflow workspace",
+                      f"create the missing {quoted}", "--role trainer"),
+            auth.Need("EDIT", quoted, "create and update runs in it", f"--role trainer --experiment {name}"))
+
+
+def check_can_log(cfg: Config, uri: str) -> str:
+    """The id of ``cfg``'s experiment (created when missing), once this login may create runs
+    in it; else :class:`services.auth.AuthError`. Cheap: call it before a Ray cluster starts."""
+    client = MlflowClient(uri)
+    read, create, log = experiment_needs(cfg.experiment_name())
+    with auth.guard(uri, read):
+        exists = client.get_experiment_by_name(cfg.experiment_name()) is not None
+    with auth.guard(uri, read if exists else create):
+        exp_id = ensure_experiment(client, cfg.experiment_name(), uri)
+    auth.require_permission(uri, "experiment", exp_id, "EDIT", log)
+    return exp_id
+
+
 def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
-    """Find the run tagged with this run name or create it. Returns (run_id, resumed)."""
+    """Find the run tagged with this run name or create it. Returns (run_id, resumed).
+
+    Raises :class:`services.auth.AuthError` when the login may not read, create or log into the
+    experiment -- checked before the first write, so a refused login leaves no half-made run.
+    """
     uri = uri or resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = MlflowClient(uri)
-    exp_id = ensure_experiment(client, cfg.experiment_name(), uri)
-    found = client.search_runs(
-        [exp_id], filter_string=f"tags.ray_run_name = '{cfg.run_name()}'", max_results=1
-    )
-    if found:
-        run_id = found[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
-        client.set_tag(run_id, "world_size", str(cfg.scaling.num_workers))
-        return run_id, True
-    run = client.create_run(exp_id, run_name=cfg.run_name(), tags={**run_tags(cfg), **(extra_tags or {})})
-    params = [Param(k, _param_value(v)) for k, v in cfg.flat().items()]
-    for i in range(0, len(params), _PARAM_BATCH):
-        client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH])
+    exp_id = check_can_log(cfg, uri)
+    read, _, log = experiment_needs(cfg.experiment_name())
+    with auth.guard(uri, read):
+        found = client.search_runs(
+            [exp_id], filter_string=f"tags.ray_run_name = '{cfg.run_name()}'", max_results=1
+        )
+    with auth.guard(uri, log):
+        if found:
+            run_id = found[0].info.run_id
+            client.update_run(run_id, status="RUNNING")
+            client.set_tag(run_id, "world_size", str(cfg.scaling.num_workers))
+            return run_id, True
+        run = client.create_run(exp_id, run_name=cfg.run_name(), tags={**run_tags(cfg), **(extra_tags or {})})
+        params = [Param(k, _param_value(v)) for k, v in cfg.flat().items()]
+        for i in range(0, len(params), _PARAM_BATCH):
+            client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH])
     return run.info.run_id, False
 
 
@@ -104,11 +148,15 @@ def _param_value(value: Any) -> str:
 
 
 def end_run(run_id: str, uri: str, status: str, attempts: int = 30) -> None:
-    """Close the run; retried so that a blinking server never leaves it RUNNING."""
+    """Close the run; retried so that a blinking server never leaves it RUNNING (a 401/403 is
+    not an outage: it raises :class:`services.auth.AuthError` at once)."""
     for i in range(attempts):
         try:
-            MlflowClient(uri).set_terminated(run_id, status=status)
+            with auth.guard(uri, auth.Need("EDIT", f"run {run_id}", "close it")):
+                MlflowClient(uri).set_terminated(run_id, status=status)
             return
+        except auth.AuthError:
+            raise
         except Exception:
             if i == attempts - 1:
                 raise
@@ -146,6 +194,10 @@ class MlflowTracker:
     MLflow and nothing is lost. Re-sending a metric is harmless: the store ignores a metric
     identical in (key, value, timestamp, step), so a retry after a lost reply adds no
     duplicate. ``flush()`` waits until everything is delivered.
+
+    A 401 or 403 is not an outage: waiting does not give a login its permission back. The
+    tracker warns once, drops that record and every later one without sending it, and
+    ``flush()`` raises the :class:`services.auth.AuthError` (``failure``).
     """
 
     def __init__(self, run_id: str, uri: str, *, max_backoff_s: float = 10.0,
@@ -157,6 +209,8 @@ class MlflowTracker:
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._outage_since: float | None = None
         self._logged: set[tuple[str, int]] | None = None  # (key, step) already in the run
+        self.uri = uri
+        self.failure: auth.AuthError | None = None  # set by the first 401/403; then records are dropped
         self.delivered = 0
         self._thread = threading.Thread(target=self._drain, name="mlflow-tracker", daemon=True)
         self._thread.start()
@@ -177,16 +231,25 @@ class MlflowTracker:
 
     # -- delivery -------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Block until every queued record is delivered (True) or ``timeout`` passes (False)."""
+        """Block until every queued record is delivered (True) or ``timeout`` passes (False).
+
+        Raises :attr:`failure` when the server refused the login (the records were dropped).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._queue.unfinished_tasks:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+        if self.failure is not None:
+            raise self.failure
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        done = self.flush(timeout)
+        """Flush (False when not everything was delivered, refusals included) and stop."""
+        try:
+            done = self.flush(timeout)
+        except auth.AuthError:
+            done = False
         self._queue.put(None)
         if done:
             shutil.rmtree(self._spool, ignore_errors=True)
@@ -226,11 +289,18 @@ class MlflowTracker:
                 self._queue.task_done()
                 return
             backoff = 0.5
-            while True:
+            while self.failure is None:
                 try:
                     self._send(*item)
                     break
-                except Exception as exc:  # network errors come in many types; retry them all
+                except Exception as exc:  # network errors come in many types; retry them all...
+                    status = auth.auth_status(exc)
+                    if status is not None:  # ...but a refused login: no retry, drop (see class doc)
+                        self.failure = auth.refusal(status, self.uri, auth.Need(
+                            "EDIT", f"the experiment of run {self.run_id}", "log metrics, tags and artifacts to it"))
+                        warnings.warn(f"{self.failure}; this and later MLflow records are dropped, not retried",
+                                      stacklevel=1)
+                        break
                     if self._outage_since is None:
                         self._outage_since = time.monotonic()
                         warnings.warn(
@@ -240,6 +310,11 @@ class MlflowTracker:
                         )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, self.max_backoff_s)
+            if self.failure is not None:  # dropped: nothing was delivered
+                if item[0] == "artifacts":
+                    shutil.rmtree(item[1][0], ignore_errors=True)  # its spooled copy
+                self._queue.task_done()
+                continue
             if self._outage_since is not None:
                 down = time.monotonic() - self._outage_since
                 self._outage_since = None
