@@ -14,6 +14,10 @@ the aliases are back where they were.
 The lock (:class:`TrackingLock`) lives on the tracking server too, so that every machine that
 can retrain a model sees it. See its docstring for what it guarantees and where it races.
 
+On a server with authentication, moving ``champion`` (promotion, rollback) needs the
+maintainer's MANAGE permission on the registered model (:func:`require_maintainer`, checked
+before anything changes); a refusal is one :class:`services.auth.AuthError` line.
+
 This module never imports Ray.
 """
 
@@ -35,6 +39,8 @@ from mlflow.entities.model_registry import ModelVersion, RegisteredModel  # noqa
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from services import auth  # noqa: E402
+
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
 FAILED_TAG = "registration"  # value "failed" on a version whose registration was undone
@@ -54,6 +60,18 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def maintainer_need(name: str) -> auth.Need:
+    """What moving the aliases of model ``name`` needs, for :mod:`services.auth` messages."""
+    return auth.Need("MANAGE", f"registered model {name!r}", "register versions and move its "
+                     f"{CHAMPION!r} alias (role maintainer)", f"--role maintainer --model {name}")
+
+
+def require_maintainer(client: MlflowClient, name: str) -> None:
+    """Raise :class:`services.auth.AuthError` unless this login may promote and roll back the
+    existing model ``name`` (a server without authentication: always)."""
+    auth.require_permission(client.tracking_uri, "registered_model", name, "MANAGE", maintainer_need(name))
+
+
 def _code(exc: BaseException) -> str:
     return getattr(exc, "error_code", "") or ""
 
@@ -70,12 +88,20 @@ def get_model(client: MlflowClient, name: str) -> RegisteredModel | None:
     except MlflowException as exc:
         if _code(exc) == "RESOURCE_DOES_NOT_EXIST":
             return None
+        # MLflow's basic auth answers 403, not 404, for a name that does not exist (it cannot
+        # resolve the permissions of nothing). A search (filtered by permission, never 403)
+        # tells the two apart: a model that is there and refused is a real refusal.
+        if _code(exc) == "PERMISSION_DENIED" and not client.search_registered_models(f"name = '{name}'"):
+            return None
         raise
 
 
 def require_model(client: MlflowClient, name: str) -> RegisteredModel:
     """The registered model, or a RegistryError listing the known ones."""
-    model = get_model(client, name)
+    # With authentication MLflow answers 403, not 404, for a model that does not exist.
+    with auth.guard(client.tracking_uri, auth.Need("READ", f"registered model {name!r}", "read it (MLflow also "
+                                                   "refuses the name of a model that does not exist)")):
+        model = get_model(client, name)
     if model is None:
         known = sorted(m.name for m in client.search_registered_models(max_results=50))
         raise RegistryError(
@@ -89,7 +115,7 @@ def version_by_alias(client: MlflowClient, name: str, alias: str) -> ModelVersio
     try:
         return client.get_model_version_by_alias(name, alias)
     except MlflowException as exc:
-        if _missing(exc):
+        if _missing(exc) or (_code(exc) == "PERMISSION_DENIED" and get_model(client, name) is None):
             return None
         raise
 
@@ -196,6 +222,15 @@ def register_version(
     again, and the aliases are restored. ``hook(step)`` is called between steps (tests
     inject failures there).
     """
+    with auth.guard(client.tracking_uri, maintainer_need(name)):
+        return _register_version(client, name, run_id=run_id, tags=tags, description=description,
+                                 promote_it=promote_it, model_tags=model_tags, hook=hook)
+
+
+def _register_version(
+    client: MlflowClient, name: str, *, run_id: str, tags: dict[str, str], description: str,
+    promote_it: bool, model_tags: dict[str, str] | None, hook: Callable[[str], None] | None,
+) -> Registration:
     step = hook or (lambda _step: None)
     source, model_id = logged_model_of_run(client, run_id)
     created_model = False
@@ -254,9 +289,16 @@ def rollback(client: MlflowClient, name: str, to: str | None = None) -> tuple[st
     """Point ``champion`` back at ``previous-champion`` (or at version ``to``).
 
     The version that was champion becomes ``previous-champion``, so a rollback can itself be
-    rolled back. Returns (old champion, new champion).
+    rolled back. Returns (old champion, new champion). Needs the maintainer permission
+    (:func:`require_maintainer`), checked before anything changes.
     """
     require_model(client, name)
+    require_maintainer(client, name)
+    with auth.guard(client.tracking_uri, maintainer_need(name)):
+        return _rollback(client, name, to)
+
+
+def _rollback(client: MlflowClient, name: str, to: str | None) -> tuple[str | None, str]:
     before = aliases_of(client, name)
     old = before.get(CHAMPION)
     target = str(to) if to is not None else before.get(PREVIOUS)

@@ -21,7 +21,9 @@ One call of :func:`retrain`:
    beats the champion by ``margin`` (``previous-champion`` keeps the old one).
 
 Nothing is registered unless training and both evaluations succeeded; a failed registration
-is undone (``services.registry.register_version``). This module never imports Ray.
+is undone (``services.registry.register_version``). On a server with authentication the
+login must hold the maintainer's MANAGE permission on an existing model: that is checked
+first, before the snapshot is fetched or anything trains. This module never imports Ray.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import yaml
 from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
 from pipelines.data import DataError
 from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
-from services import snapshots
+from services import auth, snapshots
 from services.snapshots import MANIFEST, Snapshot, SnapshotError, safe_name, write_manifest
 
 # MLflow (services.registry, services.mlflow_tracking, services.sweep) and Ray
@@ -337,6 +339,10 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
         raise RetrainError(f"--margin must be a finite number >= 0, got {req.margin}")
     uri = request_tracking_uri(req.tracking_uri, req.overrides)
     client = MlflowClient(uri)
+    # Promotion is guarded: refuse a login without MANAGE on the model now, not after training.
+    with auth.guard(uri, auth.Need("READ", f"registered model {req.model!r}", "retrain it", "--role maintainer")):
+        if registry.get_model(client, req.model) is not None:
+            registry.require_maintainer(client, req.model)
 
     snapshot = fetch_snapshot(req.data, req.cache_dir)
     log(f"snapshot {snapshot.snapshot_id}: {snapshot.files} files verified, {len(snapshot.train_classes)} "
@@ -357,7 +363,9 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
     log(f"config from {origin} (hash {cfg_hash}); run {key}; tracking {uri}")
 
     lock = registry.TrackingLock(client, req.model, ttl_s=req.lock_ttl_s)
-    lock.acquire()
+    with auth.guard(uri, auth.Need("workspace USE (role maintainer)", "the MLflow workspace",
+                                   f"create the retrain lock of {req.model!r}", f"--role maintainer --model {req.model}")):
+        lock.acquire()
     try:
         found = existing_result(client, req.model, key, req.metric)  # finished while we waited
         if found is not None:
