@@ -14,6 +14,9 @@ MLflow artifact ``report/report.html``:
   ``proxydml.report=experiment``, created on first use and reused afterwards (so reports do
   not pile up as runs), never itself listed in a report. The MLflow UI shows the HTML
   artifact inline.
+
+A login that may read but not log (the ``reader`` role of ``services/auth.py``) still gets the
+file; the logging is skipped with one line saying which permission it lacks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import html
 import math
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -35,6 +39,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import plots
 from pipelines.evaluate import DEFAULT_RECALL_KS, is_retrieval_metric, metric_names
+from services import auth
 from services.mlflow_tracking import resolve_tracking_uri
 from services.uris import redact
 
@@ -77,6 +82,7 @@ class Report:
     path: Path
     runs: list[RunData]
     logged_to: list[str]  # run ids that received report/report.html
+    not_logged: str = ""  # why logging was skipped (the login may only read), else empty
 
 
 # ---------------------------------------------------------------- collecting ----------------
@@ -365,9 +371,10 @@ def build_report(
         raise ReportError("name at least one run id or experiment")
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(uri)
-    runs, direct, experiments = resolve_targets(client, targets, max_runs)
-    keys = [k for k, _ in plots.CURVE_KEYS]
-    data = [collect(client, r, keys) for r in runs]
+    with auth.guard(uri, auth.Need("READ", "the named runs and experiments", "build the report", "--role reader")):
+        runs, direct, experiments = resolve_targets(client, targets, max_runs)
+        keys = [k for k, _ in plots.CURVE_KEYS]
+        data = [collect(client, r, keys) for r in runs]
 
     comparison = None
     if any(d.histories for d in data):
@@ -391,7 +398,15 @@ def build_report(
     shutil.move(tmp_out, out)  # never a half-written report at ``out``
 
     logged: list[str] = []
+    skipped = ""
     if log:
-        destinations = list(direct) + [report_run(client, e) for e in experiments]
-        logged = log_report(client, destinations, page)
-    return Report(page, out, data, logged)
+        try:
+            with auth.guard(uri, auth.Need("EDIT", "the reported experiments", "log report/report.html to them",
+                                           "--role trainer --experiment NAME")):
+                destinations = list(direct) + [report_run(client, e) for e in experiments]
+                logged = log_report(client, destinations, page)
+        except auth.AuthError as exc:
+            # The page is what was asked for and it is written; logging it is a side effect.
+            skipped = str(exc)
+            print(f"note: report not logged to MLflow: {skipped} (--no-log skips this step)", file=sys.stderr)
+    return Report(page, out, data, logged, skipped)
