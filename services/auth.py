@@ -269,8 +269,8 @@ def _admin_client(uri: str, username: str | None, password: str | None) -> Any:
     """MLflow's ``AuthServiceClient`` logged in as the given admin (else this process's login)."""
     import warnings
 
-    with warnings.catch_warnings():  # the server package's import-time deprecation noise
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with warnings.catch_warnings():  # the server package's import-time deprecation noise (Starlette's)
+        warnings.simplefilter("ignore")
         from mlflow.server.auth.client import AuthServiceClient
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import MlflowHostCreds, http_request, verify_rest_response
