@@ -9,6 +9,7 @@ Validation happens here, before any worker starts, and every error names the dot
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,7 +48,11 @@ def doc(text: str, default: Any = dataclasses.MISSING, *, loss_argument: bool = 
 @dataclass
 class DataConfig:
     name: str = doc("dataset: digits | emoji | cub | cars | sop | inshop | folder", "digits")
-    root: str = doc("dataset folder (file-based datasets); empty = ./data/<data.name>, e.g. ./data/emoji", "")
+    root: str = doc(
+        "dataset folder (file-based datasets); empty = ./data/<data.name>, e.g. ./data/emoji; or "
+        "s3://bucket/prefix (uploaded with `proxydml data push`): each node downloads it once into "
+        "its cache ($PROXYDML_CACHE, default ~/.cache/proxydml), verified against its manifest", ""
+    )
     batch_size: int = doc("global batch size (split evenly over the workers)", 64)
     samples_per_class: int = doc(
         "class-balanced sampling: n samples per class per batch (0 = plain shuffling)", 16
@@ -83,6 +88,8 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        if "://" in self.root and not self.root.startswith("s3://"):
+            raise ConfigError(f"data.root: a local folder or s3://bucket/prefix, got {self.root!r}")
         _positive("data.batch_size", self.batch_size)
         _non_negative("data.eval_resize", self.eval_resize)
         if not 0 < self.crop_scale_min <= 1:
@@ -247,24 +254,66 @@ class TrainConfig:
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = doc("Ray Train workers (data-parallel ranks)", 2)
+    num_workers: int | str = doc(
+        "Ray Train workers (data-parallel ranks): N, or MIN-MAX (e.g. 2-4) for an elastic run that "
+        "continues on the workers left when a node is lost and grows back when capacity returns "
+        "(proxies resharded from the last checkpoint; needs scaling.max_failures >= 1)", 2
+    )
     use_gpu: str = doc("auto | true | false: one GPU per worker when true", "auto")
     cpus_per_worker: float = doc("logical CPUs reserved per worker", 1.0)
     max_failures: int = doc("worker failures tolerated (restart from the last checkpoint)", 0)
 
     def __post_init__(self) -> None:
-        _positive("scaling.num_workers", self.num_workers)
+        if isinstance(self.num_workers, str):
+            low, sep, high = self.num_workers.partition("-")
+            if not (low.strip().isdigit() and (not sep or high.strip().isdigit())):
+                raise ConfigError(f"scaling.num_workers must be N or MIN-MAX (e.g. 2-4), got {self.num_workers!r}")
+            # "4" is the fixed count 4, "4-4" too; only a true range stays a string.
+            if not sep or int(low) == int(high):
+                self.num_workers = int(low)
+            else:
+                self.num_workers = f"{int(low)}-{int(high)}"
+        _positive("scaling.num_workers", self.min_workers)
+        if self.min_workers > self.max_workers:
+            raise ConfigError(f"scaling.num_workers={self.num_workers}: MIN must be <= MAX")
         _choice("scaling.use_gpu", self.use_gpu, ("auto", "true", "false"))
         if self.cpus_per_worker <= 0:
             raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
         _non_negative("scaling.max_failures", self.max_failures)
+        if self.elastic and self.max_failures < 1:
+            # Ray counts a lost node as a worker-group failure: with 0 the run would end there.
+            raise ConfigError(f"scaling.num_workers={self.num_workers} is elastic: set scaling.max_failures >= 1 "
+                              "(Ray counts each lost node as one failure)")
+
+    @property
+    def elastic(self) -> bool:
+        """A MIN-MAX worker range (Ray's elastic ScalingConfig)."""
+        return isinstance(self.num_workers, str)
+
+    @property
+    def min_workers(self) -> int:
+        return int(str(self.num_workers).partition("-")[0])
+
+    @property
+    def max_workers(self) -> int:
+        low, _, high = str(self.num_workers).partition("-")
+        return int(high or low)
+
+    def worker_counts(self) -> range:
+        """Every number of workers the run may train on."""
+        return range(self.min_workers, self.max_workers + 1)
 
 
 @dataclass
 class TrackingConfig:
     tracking_uri: str = doc("MLflow tracking URI ('' = $MLFLOW_TRACKING_URI or ./mlruns sqlite)", "")
     experiment: str = doc("MLflow experiment ('' = proxydml-<dataset>)", "")
-    storage_path: str = doc("Ray Train storage ('' = ./runs)", "")
+    storage_path: str = doc("Ray Train storage ('' = ./runs): a folder or s3://bucket/prefix", "")
+    shared_storage: bool = doc(
+        "declare the local folders in tracking.storage_path and data.root mounted at the same path on "
+        "every node (NFS): without it a run on a multi-node cluster refuses them, since each node would "
+        "keep its own checkpoints and need its own data", False
+    )
     run_name: str = doc("run name ('' = derived from the config hash)", "")
 
     def __post_init__(self) -> None:
@@ -284,10 +333,14 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
-        if self.data.batch_size % self.scaling.num_workers:
+        # The global batch is the same on any number of workers (an elastic run resized keeps
+        # training the same model): it must split evenly over every worker count it may run on.
+        uneven = [w for w in self.scaling.worker_counts() if self.data.batch_size % w]
+        if uneven:
+            counts = f" (the range includes {', '.join(map(str, uneven))})" if self.scaling.elastic else ""
             raise ConfigError(
                 f"data.batch_size ({self.data.batch_size}) must be divisible by "
-                f"scaling.num_workers ({self.scaling.num_workers})"
+                f"scaling.num_workers ({self.scaling.num_workers}){counts}"
             )
 
     # -- conversions ------------------------------------------------------------------
@@ -380,7 +433,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
-        hint = next(a for a in args if a is not type(None))
+        options = [a for a in args if a is not type(None)]
+        if len(options) > 1:  # e.g. int | str: the first type the value converts to
+            for option in options:
+                with contextlib.suppress(ConfigError):
+                    return _coerce(key, value, option)
+            raise ConfigError(f"{key}: expected {' or '.join(o.__name__ for o in options)}, got {value!r}")
+        hint = options[0]
         origin = typing.get_origin(hint)
     if origin is list:
         if isinstance(value, str):

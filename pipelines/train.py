@@ -276,13 +276,25 @@ def run(
     optimizer = build_optimizer(cfg, model, loss_fn)
     scheduler = build_scheduler(cfg, optimizer)
 
-    start_epoch, history, resumes = 0, [], 0
+    start_epoch, history, resumes, previous_world = 0, [], 0, None
     with reporter.latest_checkpoint() as ckpt:
         if ckpt is not None:
             state = load_checkpoint(Path(ckpt), model, loss_fn, optimizer, scheduler, generator)
             start_epoch, history = state["epoch"], state.get("history", [])
             resumes = state.get("resumes", 0) + 1  # restarts after failures count here too
+            previous_world = state.get("world_size")
             D.print0(f"resumed from {ckpt} after epoch {start_epoch}")
+    if previous_world != world and start_epoch < cfg.train.epochs:
+        # The worker count from this epoch on (an elastic run resized after a lost node or when
+        # capacity returned; the proxies were resharded above): tags workers.epoch_<first epoch>.
+        tracker.set_tags({f"workers.epoch_{start_epoch + 1}": str(world)})
+        if previous_world is not None:
+            D.print0(f"resized: {previous_world} -> {world} workers from epoch {start_epoch + 1}, "
+                     "proxies resharded")
+    for past in history:
+        # The checkpoint's history is the record: a rank 0 lost with its node may have died
+        # before its tracker delivered the last epochs. Steps the run holds are not sent again.
+        tracker.log_metrics({k: v for k, v in past.items() if k != "epoch"}, step=int(past["epoch"]))
 
     ddp_model = D.wrap_ddp(model, dev)
     # Items are (index, augmentation seed from the global position): crops and flips are the

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipelines.config import ConfigError, describe, load_config
 from pipelines.data import DataError
+from services import auth
 from services.cluster import ClusterError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ClusterError)
@@ -73,7 +74,11 @@ def _cmd_stack(args: argparse.Namespace) -> int:
     from services import stack
 
     try:
-        return stack.cli(args.stack_command, args.state_dir, args.s3_port, args.mlflow_port)
+        if args.stack_command == "user":  # user add
+            return stack.cli_user_add(args.state_dir, args.name, args.role, experiments=args.experiment,
+                                      models=args.model, tracking_uri=args.tracking_uri, password_env=args.password_env)
+        return stack.cli(args.stack_command, args.state_dir, args.s3_port, args.mlflow_port,
+                         auth_on=getattr(args, "auth", False))
     except stack.StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -269,7 +274,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     try:
         job_id, status, code = runtime.run_job(shlex.join(command), address=args.address, env=env or None,
-                                               follow=not args.no_wait)
+                                               follow=not args.no_wait, working_dir=args.working_dir or None)
     except ConnectionError as exc:
         print(f"error: cannot reach the Ray cluster ({args.address or 'RAY_ADDRESS / local'}): {exc}",
               file=sys.stderr)
@@ -342,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "or to the experiment's 'report' run)")
     rep.set_defaults(func=_cmd_report)
 
-    data_p = sub.add_parser("data", help="build offline data sets")
+    data_p = sub.add_parser("data", help="build offline data sets; push one to S3")
     data_sub = data_p.add_subparsers(dest="data_command", required=True)
     build = data_sub.add_parser("build", help="fetch (npm) and render a data set into an image folder")
     build.add_argument("dataset", choices=["emoji"], help="the data set to build")
@@ -370,6 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("up", "start the stack (idempotent)"), ("down", "stop the stack"),
                        ("status", "show each service up/down with its URL")):
         st_sub.add_parser(name, help=text, parents=[st_opts]).set_defaults(func=_cmd_stack)
+    st_sub.choices["up"].add_argument("--auth", action="store_true",
+                                      help="MLflow with logins and per-experiment/model permissions (kept once set)")
+    su = st_sub.add_parser("user", help="users of a stack started with --auth").add_subparsers(
+        dest="user_command", required=True).add_parser("add", help="create or update a user with one role",
+                                                       parents=[st_opts])
+    su.add_argument("name")
+    su.add_argument("--role", required=True, choices=list(auth.ROLES),
+                    help="; ".join(f"{r.name}: {r.summary}" for r in auth.ROLES.values()))
+    su.add_argument("--experiment", action="append", default=[], help="trainer: EDIT on this experiment (repeat)")
+    su.add_argument("--model", action="append", default=[], help="maintainer: MANAGE on this model (default all)")
+    su.add_argument("--tracking-uri", default=None, help="another basic-auth MLflow server (admin login from env)")
+    su.add_argument("--password-env", default=None, metavar="VAR", help="password from $VAR (default: generated)")
+    su.set_defaults(func=_cmd_stack)
 
     rt = sub.add_parser("retrain", help="retrain a registered model on a data snapshot; promote if better")
     rt.add_argument("--model", required=True, help="registered model name (models:/NAME)")
@@ -412,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Ray dashboard (http://host:8265) or cluster address (default RAY_ADDRESS, else local)")
     sj.add_argument("--env", action="append", default=None, metavar="KEY=VALUE", help="environment of the job")
     sj.add_argument("--no-wait", action="store_true", help="submit and return without following the logs")
+    sj.add_argument("--working-dir", default=".",
+                    help="folder shipped with the job; it runs there on the cluster (default: the current folder, "
+                         "less what its .gitignore lists; '' ships nothing)")
     sj.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. proxydml retrain ...")
     sj.set_defaults(func=_cmd_submit)
     return parser
@@ -427,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        refused = auth.as_auth_error(exc)  # MLflow said 401/403: one line, never a traceback
+        if refused is None:
+            raise
+        print(f"error: {refused}", file=sys.stderr)
+        return auth.EXIT_NOPERM
 
 
 if __name__ == "__main__":

@@ -106,7 +106,9 @@ def build_config(base: dict[str, Any], overrides: list[str], snapshot: Snapshot,
                  tracking_uri: str) -> Config:
     """Source config + overrides + the snapshot as a folder dataset, validated."""
     values = merge(_strip_tracking(base), parse_overrides(overrides))
-    values = merge(values, {"data": {"name": "folder", "root": str(snapshot.root), "val_classes": 0}})
+    # An S3 snapshot stays data.root=s3://...: every node of a cluster reads it from its own cache.
+    root = snapshot.source if snapshot.source.startswith("s3://") else str(snapshot.root)
+    values = merge(values, {"data": {"name": "folder", "root": root, "val_classes": 0}})
     tracking = dict(values.get("tracking") or {})
     tracking["tracking_uri"] = tracking_uri
     tracking.setdefault("experiment", f"proxydml-retrain-{model}")

@@ -32,6 +32,8 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
 from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
+from services.auth import use_credentials, worker_credentials  # noqa: E402
+from services.cluster import ClusterError, probe  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
 from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
 
@@ -40,23 +42,52 @@ from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
 
 
 def ensure_ray(address: str | None = None) -> None:
-    """Join ``address`` (or $RAY_ADDRESS), else start a local cluster on loopback."""
+    """Join ``address`` (or $RAY_ADDRESS), else start a fresh local instance on loopback.
+
+    ``auto`` joins the cluster a ``ray start`` on this machine runs. Without an address a new
+    instance starts (``address="local"``) even when /tmp/ray/ray_current_cluster names a
+    cluster: that file outlives a killed cluster, and Ray would try to join the dead one.
+    An address where no cluster answers is a ClusterError (one line) at once, not minutes of
+    Ray's retries.
+    """
     if ray.is_initialized():
         return
+    named_by = "--address" if address else "$RAY_ADDRESS"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        target = address
+        if address == "auto":
+            # The cluster `ray start` recorded in /tmp/ray/ray_current_cluster ($RAY_TMPDIR/ray),
+            # not Ray's fallback of any GCS process found on the machine (someone else's).
+            from ray._private.utils import read_ray_address
+
+            target = read_ray_address() or ""
+            if not target:
+                raise ClusterError("--address auto: no Ray cluster was started on this machine (`ray start "
+                                   "--head` records its address); give --address HOST:PORT")
+            named_by = "--address auto"
+        probe(target, named_by=named_by)
+        try:
+            ray.init(address=target, log_to_driver=True)
+        except ConnectionError as exc:  # something answers there, but not a Ray cluster we can join
+            raise ClusterError(f"cannot join the Ray cluster at {target} ({named_by}): {exc}") from exc
         return
     # Locally, more logical CPUs than cores: the Train controller and a Tune driver need a
     # slot each and sit idle most of the time (measured: with 2 slots on 2 cores, trials starve).
     # The dashboard process also serves the State API that Ray Train's controller polls;
     # without it the driver log fills with "State API may be temporarily unavailable".
     ray.init(
+        address="local",
         num_cpus=max(os.cpu_count() or 1, 4),
         dashboard_host="127.0.0.1",
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
     )
+
+
+def alive_nodes() -> int:
+    """Nodes of the connected cluster that are alive."""
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 def shutdown_ray() -> None:
@@ -245,6 +276,9 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    from services.snapshots import install_data_resolver
+
+    install_data_resolver()  # data.root=s3://...: read from this node's cache, filled once per node
     cfg = from_dict(loop_config["config"])
     reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0),
                            show_progress=loop_config.get("show_progress", False))
@@ -277,7 +311,11 @@ def storage(cfg: Config) -> tuple[str, Any]:
     $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL and the keys from the environment or the AWS
     profile, never from the (logged) config. Anything else is a local or shared folder.
     """
-    path = cfg.tracking.storage_path or "runs"
+    return storage_location(cfg.tracking.storage_path or "runs")
+
+
+def storage_location(path: str) -> tuple[str, Any]:
+    """(storage_path, pyarrow filesystem or None) for ``path``: a folder or s3://bucket/prefix."""
     if not path.startswith("s3://"):
         return str(Path(path.removeprefix("file://")).resolve()), None
     bucket_prefix = path.removeprefix("s3://").strip("/")
@@ -295,6 +333,25 @@ def checkpoint_uri(cfg: Config, checkpoint: ray.train.Checkpoint) -> str:
     return checkpoint.path
 
 
+def _loop_with_login(mlflow_uri: str | None) -> Callable[[dict[str, Any]], None]:
+    """The train loop, run as this driver's MLflow user on a server with logins.
+
+    The login (services.auth.worker_credentials) reaches each worker's environment through an
+    object-store reference: never in the train-loop config (Ray Train records it) nor in a
+    runtime_env (Ray's runtime_env agent writes env_vars to its log, measured on Ray 2.60).
+    """
+    login = worker_credentials() if (mlflow_uri or "").startswith(("http://", "https://")) else {}
+    if not login:
+        return _train_loop
+    login_ref = ray.put(login)
+
+    def train_loop_as_user(loop_config: dict[str, Any]) -> None:
+        use_credentials(ray.get(login_ref))
+        _train_loop(loop_config)
+
+    return train_loop_as_user
+
+
 def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None,
         callbacks: list[Any] | None = None, show_progress: bool = False) -> ray.train.Result:
     """Run (or resume, when a run of the same name exists in storage) one training run."""
@@ -304,11 +361,15 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
     if use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
-        _train_loop,
+        _loop_with_login(mlflow_uri) if mlflow_run_id else _train_loop,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri,
                            "upload_retry_s": upload_retry_budget(), "show_progress": show_progress},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers, use_gpu=use_gpu, resources_per_worker=resources
+            # MIN-MAX: Ray's elastic worker group; after a lost node it restarts from the last
+            # checkpoint on the workers the cluster still holds (the proxies are resharded).
+            num_workers=((cfg.scaling.min_workers, cfg.scaling.max_workers) if cfg.scaling.elastic
+                         else cfg.scaling.num_workers),
+            use_gpu=use_gpu, resources_per_worker=resources,
         ),
         # nccl on GPUs, gloo on CPUs: chosen by what the workers were given.
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -347,8 +408,13 @@ def _tune_domain(dim: Dimension) -> Any:
 
 
 def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, parent_run_id: str,
-                  mlflow_uri: str, storage_path: str) -> None:
-    """One trial: a full multi-worker TorchTrainer run, its reports forwarded to Tune."""
+                  mlflow_uri: str, storage_path: str, login: dict[str, str] | None = None) -> None:
+    """One trial: a full multi-worker TorchTrainer run, its reports forwarded to Tune.
+
+    ``login``: the sweep driver's MLflow login (tune.with_parameters keeps it in the object
+    store, out of the trial config Tune records), this actor's environment from here on.
+    """
+    use_credentials(login or {})
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -379,18 +445,21 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     name = spec.name()
-    storage = str(Path(storage_root).resolve())
+    # s3://...: the sweep state and every trial's checkpoints on S3, so a trial whose node is
+    # lost resumes on another node from its last checkpoint.
+    root = storage_root.rstrip("/") if storage_root.startswith("s3://") else str(Path(storage_root).resolve())
+    storage, filesystem = storage_location(root)
     trainable = tune.with_resources(
         tune.with_parameters(
             _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
-            mlflow_uri=mlflow_uri, storage_path=str(Path(storage) / name / "trials"),
+            mlflow_uri=mlflow_uri, storage_path=f"{root}/{name}/trials", login=worker_credentials(),
         ),
         # The trial driver only waits on its Train workers: a sliver of a CPU (STACK.md).
         {"cpu": 0.01},
     )
-    path = str(Path(storage) / name)
-    if tune.Tuner.can_restore(path):
-        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True)
+    path = f"{storage}/{name}"
+    if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, storage_filesystem=filesystem)
     else:
         scheduler = (
             ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=spec.grace_period,
@@ -420,7 +489,12 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
                 num_samples=1 if spec.search == "grid" else spec.samples,
                 max_concurrent_trials=limit,
             ),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1),
+            run_config=tune.RunConfig(
+                name=name, storage_path=storage, storage_filesystem=filesystem, verbose=1,
+                # A trial whose driver's node is lost starts again elsewhere; its TorchTrainer
+                # resumes from the trial's last checkpoint (same run name and storage).
+                failure_config=tune.FailureConfig(max_failures=spec.base.scaling.max_failures),
+            ),
         )
     grid = tuner.fit()
     trials = []
@@ -438,12 +512,16 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
 
 # -- Ray Jobs ----------------------------------------------------------------------------------
 def run_job(entrypoint: str, *, address: str | None = None, env: dict[str, str] | None = None,
-            follow: bool = True, poll_s: float = 1.0, out: Any = None) -> tuple[str, str, int | None]:
+            follow: bool = True, poll_s: float = 1.0, out: Any = None,
+            working_dir: str | None = None) -> tuple[str, str, int | None]:
     """Submit ``entrypoint`` as a Ray Job and (``follow``) stream its logs until it ends.
 
     ``address``: the cluster's dashboard (``http://host:8265``) or GCS address; None = RAY_ADDRESS,
-    else the local running cluster. Returns (submission id, final status, driver exit code);
-    with ``follow=False`` the status is the one right after submission.
+    else the local running cluster. ``working_dir``: a local folder uploaded with the job (Ray's
+    runtime_env): the job and every worker it starts, on any node, run in a copy of it, so recipe
+    files and code edits there reach the cluster; what its .gitignore lists (.venv, runs, data)
+    stays behind. Returns (submission id, final status, driver exit code); with
+    ``follow=False`` the status is the one right after submission.
     """
     import asyncio
     import sys
@@ -459,7 +537,10 @@ def run_job(entrypoint: str, *, address: str | None = None, env: dict[str, str] 
         client = JobSubmissionClient(address)
     finally:
         os.environ.update(hidden)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env} if env else None)
+    runtime_env: dict[str, Any] = {"env_vars": env} if env else {}
+    if working_dir:
+        runtime_env.update(working_dir=str(Path(working_dir).resolve()), excludes=[".git"])
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env or None)
     print(f"submitted Ray job {job_id} to {client.get_address()}: {entrypoint}", file=out, flush=True)
     if not follow:
         return job_id, str(client.get_job_status(job_id)), None

@@ -152,11 +152,12 @@ def load_sweep(
         raise ConfigError("grid dimensions need --search grid or random (Optuna samples, it does not grid)")
     if search == "grid" and not all(d.kind in ("grid", "choice") for d in dims):
         raise ConfigError("--search grid needs every dimension to be a grid or a choice")
-    per_trial = base.scaling.num_workers * base.scaling.cpus_per_worker
+    # An elastic trial (MIN-MAX workers) runs on as few as MIN.
+    per_trial = base.scaling.min_workers * base.scaling.cpus_per_worker
     fits = int(cluster_cpus // per_trial) if math.isfinite(cluster_cpus) else samples
     if fits < 1:
         raise ConfigError(
-            f"one trial needs {per_trial:g} CPUs ({base.scaling.num_workers} workers x "
+            f"one trial needs {per_trial:g} CPUs ({base.scaling.min_workers} workers x "
             f"{base.scaling.cpus_per_worker:g}) but the cluster has {cluster_cpus:g}"
         )
     if max_concurrent is None:

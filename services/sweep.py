@@ -186,6 +186,7 @@ def run_sweep(
     # ``tune best`` and ``retrain --from-sweep`` only read MLflow through this module.
     from services import mlflow_tracking as mt
     from services import runtime
+    from services.cluster import require_shared_state
     from services.training import preflight, resolve_paths
 
     base = resolve_paths(base)
@@ -195,11 +196,14 @@ def run_sweep(
     load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                max_concurrent=None, cluster_cpus=math.inf, metric=metric, grace_period=grace_period,
                reduction_factor=reduction_factor, points=points)
+    mt.check_can_log(base, mt.resolve_tracking_uri(base.tracking.tracking_uri))  # before Ray: a refused login
     runtime.ensure_ray(address)
+    uri = mt.resolve_tracking_uri(base.tracking.tracking_uri)
+    # Before the parent run exists: a node-local setting on a multi-node cluster leaves nothing.
+    require_shared_state(base, uri, runtime.alive_nodes())
     spec = load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                       max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric,
                       grace_period=grace_period, reduction_factor=reduction_factor, points=points)
-    uri = mt.resolve_tracking_uri(base.tracking.tracking_uri)
     parent_id, resumed = open_parent_run(spec, uri, space_file)
     status = "FAILED"
     try:

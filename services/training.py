@@ -17,6 +17,8 @@ from pipelines.data import DataError, build_batch_sampler, build_datasets, datas
 from pipelines.models import EmbeddingModel
 from services import mlflow_tracking as mt
 from services import runtime
+from services.cluster import require_shared_state
+from services.snapshots import install_data_resolver
 
 
 @dataclass
@@ -43,16 +45,18 @@ def preflight(cfg: Config) -> int:
     file of another architecture is reported here, not from inside a Ray worker. Returns the
     number of training classes.
     """
+    install_data_resolver()  # data.root=s3://...: this node's verified cache (downloaded once)
     split = build_datasets(cfg.data)
-    if cfg.scaling.num_workers > split.num_classes:
+    if cfg.scaling.max_workers > split.num_classes:
         # Each worker owns a contiguous, non-empty class range of the proxies.
         raise ConfigError(
             f"scaling.num_workers ({cfg.scaling.num_workers}) exceeds the {split.num_classes} training "
             f"classes of data.name={cfg.data.name}: every worker owns the proxies of at least one class"
         )
-    try:  # the sampler refuses batches the training classes cannot fill
-        build_batch_sampler(dataset_labels(split.train), cfg.data, rank=0, world_size=cfg.scaling.num_workers,
-                            seed=cfg.train.seed)
+    try:  # the sampler refuses batches the training classes cannot fill (on any worker count)
+        for world in cfg.scaling.worker_counts():
+            build_batch_sampler(dataset_labels(split.train), cfg.data, rank=0, world_size=world,
+                                seed=cfg.train.seed)
     except ValueError as exc:
         raise DataError(f"data.batch_size/data.samples_per_class: {exc}") from exc
     # A CPU build (under a second even for ResNet-50); the workers build their own copy.
@@ -67,11 +71,14 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
     cfg = resolve_paths(cfg)
     preflight(cfg)
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
+    mt.check_can_log(cfg, uri)  # a refused MLflow login fails here, before Ray starts (one line)
+    runtime.ensure_ray(address)
+    # Before the MLflow run exists: a node-local setting on a multi-node cluster leaves nothing.
+    require_shared_state(cfg, uri, runtime.alive_nodes())
     run_id, resumed = mt.open_run(cfg, uri)
     status = "FAILED"
     tracker = mt.MlflowTracker(run_id, uri)
     try:
-        runtime.ensure_ray(address)
         result = runtime.fit(cfg, mlflow_run_id=run_id, mlflow_uri=uri, show_progress=show_progress)
         if result.error is not None:
             raise result.error

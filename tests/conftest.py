@@ -58,9 +58,10 @@ def make_stack(tmp_path_factory):
 
     started = []
 
-    def make(credentials, start_timeout: float = 120):
+    def make(credentials, start_timeout: float = 120, **options):
+        # options: further Stack arguments, e.g. auth=True (MLflow with basic auth).
         st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=credentials,
-                   s3_server="moto", start_timeout=start_timeout)
+                   s3_server="moto", start_timeout=start_timeout, **options)
         started.append(st)
         st.up()
         return st
