@@ -540,7 +540,17 @@ def run_job(entrypoint: str, *, address: str | None = None, env: dict[str, str] 
     runtime_env: dict[str, Any] = {"env_vars": env} if env else {}
     if working_dir:
         runtime_env.update(working_dir=str(Path(working_dir).resolve()), excludes=[".git"])
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env or None)
+    # Ray answers "No available agent to submit job, please try again later" until the head
+    # node's job agent has registered (seconds after start, longer on a loaded machine).
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env or None)
+            break
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
     print(f"submitted Ray job {job_id} to {client.get_address()}: {entrypoint}", file=out, flush=True)
     if not follow:
         return job_id, str(client.get_job_status(job_id)), None
