@@ -24,9 +24,12 @@ EPOCHS = 6
 
 
 def _train_worker_pids() -> list[int]:
+    import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    # This session's cluster: without an address the State API picks any Ray on the machine.
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     return [a.pid for a in actors]
 
 
