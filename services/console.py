@@ -56,7 +56,9 @@ class _Tee(io.TextIOBase):
         self.console: IO[str] = console
         self.log: IO[str] | None = log
         self._pending = ""
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler (Ray Tune prints on Ctrl-C) may write while the main
+        # thread is inside write(); a plain Lock would deadlock the process there.
+        self._lock = threading.RLock()
 
     def write(self, text: str) -> int:
         with self._lock:
