@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelines.config import ConfigError, load_config
 from pipelines.data import build_datasets
@@ -203,3 +204,23 @@ def test_corrupt_or_missing_objects_are_named_and_never_land(s3, tmp_path, capsy
     assert "must be s3://bucket/prefix" in capsys.readouterr().err
     assert cli_main(["train", "data.name=folder", "data.root=s3://data/absent"]) == 2
     assert "data set s3://data/absent is missing or empty (no manifest.json)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["folder", "emoji", "cub", "cars", "sop", "inshop"])
+def test_every_loader_reads_its_layout_from_s3(s3, tmp_path, name):
+    """data.root=s3://... for each loader: the split read through the node's cache is the
+    split of the local folder (the layouts of tests/pipelines/test_data.py)."""
+    from tests.distributed.whole_run_workers import make_image_folder
+    from tests.pipelines import test_data as layouts
+
+    local = tmp_path / name
+    {"folder": make_image_folder, "emoji": layouts.make_emoji, "cub": layouts.make_cub, "cars": layouts.make_cars,
+     "sop": layouts.make_sop, "inshop": layouts.make_inshop}[name](local)
+    snapshots.push_dataset(local, f"s3://data/{name}")
+    snapshots.install_data_resolver()
+    want = build_datasets(layouts._cfg(name, local))
+    got = build_datasets(layouts._cfg(name, f"s3://data/{name}"))
+    assert (got.num_classes, len(got.train), len(got.test)) == (want.num_classes, len(want.train), len(want.test))
+    assert got.query_indices == want.query_indices
+    assert torch.equal(got.test[0][0], want.test[0][0])  # the same image, read from the cached copy
+    assert (tmp_path / "node" / "data").is_dir()
