@@ -34,6 +34,7 @@ from pipelines.config import Config, from_dict  # noqa: E402
 from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
 from services.auth import use_credentials, worker_credentials  # noqa: E402
 from services.cluster import ClusterError, probe  # noqa: E402
+from services.net import free_port  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
 from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
 
@@ -76,12 +77,19 @@ def ensure_ray(address: str | None = None) -> None:
     # slot each and sit idle most of the time (measured: with 2 slots on 2 cores, trials starve).
     # The dashboard process also serves the State API that Ray Train's controller polls;
     # without it the driver log fills with "State API may be temporarily unavailable".
+    dashboard_port = free_port()
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, 4),
         dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
+        # Ray's own actors reach their cluster's State API by searching the machine; with a
+        # second Ray instance running there the search fails, Ray Train's placement-group
+        # cleaner stops, and a trial Tune stops (ASHA, max_t) keeps its workers' CPUs for good:
+        # the next trials then wait forever. Naming the dashboard here points them at ours.
+        runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard_port}"}},
     )
 
 

@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from services import auth
+from services.net import HOST, free_port, port_in_use
 from services.s3 import Credentials, ray_storage, s3_client
 from services.uris import redact
 
 if TYPE_CHECKING:
     import pyarrow.fs
 
-HOST = "127.0.0.1"
 DEFAULT_STATE_DIR = Path(".proxydml/stack")
 DEFAULT_S3_PORT = 9000
 DEFAULT_MLFLOW_PORT = 5000
@@ -92,28 +91,6 @@ class ServiceStatus:
         pid = f"pid {self.pid}" if self.pid else ""
         extra = ", ".join(x for x in (self.detail, pid) if x)
         return f"{self.name:7s} {state:19s} {self.url}" + (f"  ({extra})" if extra else "")
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the kernel picks it; a race is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def port_in_use(port: int) -> bool:
-    """True when something listens on 127.0.0.1:port (or on all addresses).
-
-    SO_REUSEADDR makes the probe ignore sockets in TIME_WAIT left by a server we just stopped
-    (on Linux it still fails when a socket is listening), so a quick restart is not refused.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return True
-    return False
 
 
 def _http_answers(url: str, timeout: float = 1.0) -> bool:

@@ -24,7 +24,7 @@ from PIL import Image
 
 from pipelines import plots
 from services import report
-from services.stack import free_port
+from services.net import free_port
 
 pytestmark = pytest.mark.e2e
 

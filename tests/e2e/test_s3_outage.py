@@ -37,9 +37,10 @@ from mlflow.tracking import MlflowClient
 from pipelines.config import load_config
 from pipelines.train import CHECKPOINT_FILES, load_model, loss_shard_file
 from services import training
+from services.net import HOST, free_port
 from services.runtime import UPLOAD_RETRY_ENV, retry_upload, verify_upload
 from services.s3 import Credentials, retrying_s3_filesystem, s3_client
-from services.stack import HOST, Stack, free_port
+from services.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from services.net import free_port
 from services.s3 import Credentials, ray_storage, s3_client
-from services.stack import Stack, StackError, free_port, process_group_alive
+from services.stack import Stack, StackError, process_group_alive
 
 pytestmark = pytest.mark.e2e
 
