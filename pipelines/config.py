@@ -260,7 +260,10 @@ class ScalingConfig:
         "(proxies resharded from the last checkpoint; needs scaling.max_failures >= 1)", 2
     )
     use_gpu: str = doc("auto | true | false: one GPU per worker when true", "auto")
-    cpus_per_worker: float = doc("logical CPUs reserved per worker", 1.0)
+    cpus_per_worker: float = doc(
+        "logical CPUs reserved per worker, also its torch thread count; 0 = this machine's cores / "
+        "workers (at least 1), or 1 in a sweep, where trials share the machine", 0.0
+    )
     max_failures: int = doc("worker failures tolerated (restart from the last checkpoint)", 0)
 
     def __post_init__(self) -> None:
@@ -277,8 +280,8 @@ class ScalingConfig:
         if self.min_workers > self.max_workers:
             raise ConfigError(f"scaling.num_workers={self.num_workers}: MIN must be <= MAX")
         _choice("scaling.use_gpu", self.use_gpu, ("auto", "true", "false"))
-        if self.cpus_per_worker <= 0:
-            raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if self.cpus_per_worker < 0:
+            raise ConfigError(f"scaling.cpus_per_worker must be >= 0 (0 = automatic), got {self.cpus_per_worker}")
         _non_negative("scaling.max_failures", self.max_failures)
         if self.elastic and self.max_failures < 1:
             # Ray counts a lost node as a worker-group failure: with 0 the run would end there.
@@ -298,6 +301,18 @@ class ScalingConfig:
     def max_workers(self) -> int:
         low, _, high = str(self.num_workers).partition("-")
         return int(high or low)
+
+    def resolved(self, cores: int, *, sweep: bool = False) -> ScalingConfig:
+        """This config with ``cpus_per_worker=0`` (automatic) made concrete.
+
+        One run gets the machine: ``cores // max_workers`` CPUs (so threads) per worker, at least
+        one, so one worker on two cores trains with two threads. A sweep's trials run side by
+        side on the machine, so there each worker gets one CPU and the trial count decides.
+        """
+        if self.cpus_per_worker > 0:
+            return self
+        cpus = 1 if sweep else max(1, cores // self.max_workers)
+        return dataclasses.replace(self, cpus_per_worker=float(cpus))
 
     def worker_counts(self) -> range:
         """Every number of workers the run may train on."""

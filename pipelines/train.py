@@ -287,7 +287,9 @@ def run(
     if previous_world != world and start_epoch < cfg.train.epochs:
         # The worker count from this epoch on (an elastic run resized after a lost node or when
         # capacity returned; the proxies were resharded above): tags workers.epoch_<first epoch>.
-        tracker.set_tags({f"workers.epoch_{start_epoch + 1}": str(world)})
+        # torch_threads: what each worker computes with (scaling.cpus_per_worker, see services).
+        tracker.set_tags({f"workers.epoch_{start_epoch + 1}": str(world),
+                          "torch_threads": str(torch.get_num_threads())})
         if previous_world is not None:
             D.print0(f"resized: {previous_world} -> {world} workers from epoch {start_epoch + 1}, "
                      "proxies resharded")

@@ -38,7 +38,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pipelines.evaluate import is_retrieval_metric
     from services import console, training
 
-    cfg = training.resolve_paths(load_config(args.config, args.overrides))
+    cfg = training.resolve_for_workers(load_config(args.config, args.overrides))
     with console.run_console(console.log_path_for(cfg.run_name()), discard_on=USER_ERRORS) as log:
         print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
         out = training.train(cfg, address=args.address, show_progress=sys.stderr.isatty() and not args.quiet,

@@ -7,6 +7,7 @@ and adapts Ray's session to the pipeline's Reporter protocol.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 
 import ray  # noqa: E402
 import ray.train  # noqa: E402
+import torch  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
@@ -288,6 +290,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
     install_data_resolver()  # data.root=s3://...: read from this node's cache, filled once per node
     cfg = from_dict(loop_config["config"])
+    # Threads = the CPUs Ray reserved for this worker (the driver made an automatic value concrete).
+    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0),
                            show_progress=loop_config.get("show_progress", False))
     run_id = loop_config.get("mlflow_run_id")
@@ -363,6 +367,8 @@ def _loop_with_login(mlflow_uri: str | None) -> Callable[[dict[str, Any]], None]
 def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None,
         callbacks: list[Any] | None = None, show_progress: bool = False) -> ray.train.Result:
     """Run (or resume, when a run of the same name exists in storage) one training run."""
+    # Callers pass a config made concrete by training.resolve_for_workers; this covers direct use.
+    cfg = dataclasses.replace(cfg, scaling=cfg.scaling.resolved(os.cpu_count() or 1))
     path, filesystem = storage(cfg)
     use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
     resources = {"CPU": cfg.scaling.cpus_per_worker}

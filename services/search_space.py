@@ -153,12 +153,13 @@ def load_sweep(
     if search == "grid" and not all(d.kind in ("grid", "choice") for d in dims):
         raise ConfigError("--search grid needs every dimension to be a grid or a choice")
     # An elastic trial (MIN-MAX workers) runs on as few as MIN.
-    per_trial = base.scaling.min_workers * base.scaling.cpus_per_worker
+    worker_cpus = base.scaling.resolved(1, sweep=True).cpus_per_worker
+    per_trial = base.scaling.min_workers * worker_cpus
     fits = int(cluster_cpus // per_trial) if math.isfinite(cluster_cpus) else samples
     if fits < 1:
         raise ConfigError(
             f"one trial needs {per_trial:g} CPUs ({base.scaling.min_workers} workers x "
-            f"{base.scaling.cpus_per_worker:g}) but the cluster has {cluster_cpus:g}"
+            f"{worker_cpus:g}) but the cluster has {cluster_cpus:g}"
         )
     if max_concurrent is None:
         max_concurrent = max(1, min(fits, samples))

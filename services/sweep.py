@@ -187,9 +187,9 @@ def run_sweep(
     from services import mlflow_tracking as mt
     from services import runtime
     from services.cluster import require_shared_state
-    from services.training import preflight, resolve_paths
+    from services.training import preflight, resolve_for_workers
 
-    base = resolve_paths(base)
+    base = resolve_for_workers(base, sweep=True)
     preflight(base)
     space_file = resolve_space_file(space)
     # Schema and domain errors first, before a cluster is even started.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,10 +32,15 @@ class TrainOutcome:
     resumed: bool
 
 
-def resolve_paths(cfg: Config) -> Config:
-    """The config the workers get: ``data.root`` absolute (see ``with_absolute_root``)."""
+def resolve_for_workers(cfg: Config, *, sweep: bool = False) -> Config:
+    """The config the workers get, also what MLflow and config.yaml record: ``data.root``
+    absolute (see ``with_absolute_root``) and an automatic ``scaling.cpus_per_worker`` made
+    concrete from this machine's cores (see ``ScalingConfig.resolved``)."""
     data = with_absolute_root(cfg.data)
-    return cfg if data is cfg.data else dataclasses.replace(cfg, data=data)
+    scaling = cfg.scaling.resolved(os.cpu_count() or 1, sweep=sweep)
+    if data is cfg.data and scaling is cfg.scaling:
+        return cfg
+    return dataclasses.replace(cfg, data=data, scaling=scaling)
 
 
 def preflight(cfg: Config) -> int:
@@ -68,7 +74,7 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
           show_progress: bool = False, log_file: Path | None = None) -> TrainOutcome:
     """Train (or resume) ``cfg`` on Ray; ``show_progress``: rank 0's per-epoch bar on this console;
     ``log_file``: the command's full console log, kept with the run as ``logs/<name>``."""
-    cfg = resolve_paths(cfg)
+    cfg = resolve_for_workers(cfg)
     preflight(cfg)
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
     mt.check_can_log(cfg, uri)  # a refused MLflow login fails here, before Ray starts (one line)

@@ -162,4 +162,4 @@ def test_relative_data_root_reaches_ray_workers(tiny, ray_cluster, local_mlflow,
     assert 0.0 < out.metrics["recall_at_1"] <= 1.0
     stored = yaml.safe_load((Path(out.checkpoint_path) / "config.yaml").read_text())
     assert stored["data"]["root"] == str(tiny.resolve())
-    assert Path(out.checkpoint_path).parent.name == training.resolve_paths(cfg).run_name()
+    assert Path(out.checkpoint_path).parent.name == training.resolve_for_workers(cfg).run_name()

@@ -184,3 +184,25 @@ def test_long_emoji_recipe_is_the_short_one_with_three_changes():
     short = load_config("emoji_proxy_nca_pp", ["train.epochs=10", "data.image_size=192", "data.eval_resize=192",
                                                 "model.frozen_stages=2"])
     assert load_config("emoji_proxy_nca_pp_long") == short
+
+
+@pytest.mark.parametrize(("cores", "workers", "sweep", "expected"), [
+    (2, 1, False, 2.0),   # one worker on two cores trains with both
+    (2, 2, False, 1.0),
+    (16, 4, False, 4.0),
+    (8, "2-4", False, 2.0),  # elastic: sized for the largest group
+    (1, 2, False, 1.0),
+    (16, 1, True, 1.0),   # sweep trials share the machine: one CPU per worker
+])
+def test_automatic_cpus_per_worker_is_cores_over_workers(cores, workers, sweep, expected):
+    cfg = load_config("digits", [f"scaling.num_workers={workers}", "scaling.max_failures=1", "data.batch_size=48"])
+    assert cfg.scaling.cpus_per_worker == 0  # the default: automatic
+    assert cfg.scaling.resolved(cores, sweep=sweep).cpus_per_worker == expected
+
+
+def test_explicit_cpus_per_worker_is_kept_and_negative_is_refused():
+    cfg = load_config("digits", ["scaling.cpus_per_worker=3"])
+    assert cfg.scaling.resolved(64).cpus_per_worker == 3
+    assert cfg.scaling.resolved(64, sweep=True).cpus_per_worker == 3
+    with pytest.raises(ConfigError, match="scaling.cpus_per_worker"):
+        load_config("digits", ["scaling.cpus_per_worker=-1"])

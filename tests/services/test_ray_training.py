@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,12 @@ def test_two_worker_run_reports_checkpoints_logs_and_resumes(ray_cluster, tmp_pa
     assert run.data.tags["ray_run_name"] == cfg.run_name()
     assert run.data.tags["world_size"] == "2" and run.data.tags["dataset"] == "digits"
     assert run.data.tags["loss"] == "proxy_anchor" and run.data.tags["git_sha"]
+    # cpus_per_worker left automatic: this machine's cores / 2 workers, recorded concrete, and
+    # each worker computes with that many torch threads.
+    cpus = max(1, (os.cpu_count() or 1) // 2)
+    assert run.data.params["scaling.cpus_per_worker"] == str(float(cpus))
+    assert stored["scaling"]["cpus_per_worker"] == cpus
+    assert run.data.tags["torch_threads"] == str(cpus)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "recall_at_1")] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"checkpoint", "config.yaml"} <= artifacts
