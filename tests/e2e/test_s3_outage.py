@@ -34,7 +34,6 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.config import load_config
 from pipelines.train import CHECKPOINT_FILES, load_model, loss_shard_file
 from services import training
 from services.net import HOST, free_port
@@ -277,7 +276,7 @@ def test_retry_upload_rides_out_an_outage_longer_than_the_client_retries(stack, 
 
 @pytest.mark.ray
 def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkpoint(
-    ray_cluster, stack, relay, monkeypatch, tmp_path, capfd
+    ray_cluster, stack, relay, monkeypatch, tmp_path, capfd, digits_config
 ):
     # Ray storage goes through the relay; the MLflow server keeps its direct line to moto, so
     # what goes away is only the endpoint the Train workers and controller use.
@@ -285,11 +284,8 @@ def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkp
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
     monkeypatch.setenv(UPLOAD_RETRY_ENV, "120")  # far above the outage; a failure stays quick
-    cfg = load_config("digits", [
-        f"train.epochs={EPOCHS}", "train.max_steps_per_epoch=4", f"scaling.num_workers={WORKERS}",
-        f"tracking.tracking_uri={stack.tracking_uri}", f"tracking.storage_path=s3://{stack.bucket}/ray",
-        "tracking.experiment=s3-outage-e2e", "tracking.run_name=s3-outage",
-    ])
+    cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", "tracking.experiment=s3-outage-e2e",
+                        "tracking.run_name=s3-outage", epochs=EPOCHS, steps=4, workers=WORKERS)
     relay.arm(MODEL_PUT, nth=2, down_s=DOWN_S)  # epoch 2's checkpoint, mid-upload
 
     outcome = training.train(cfg, log_model=False)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.config import load_config
 from services import training
 from services.s3 import Credentials, s3_client
 from services.stack import Stack
@@ -38,12 +37,7 @@ def s3_env(stack, monkeypatch):
     return stack
 
 
-def _cfg(stack: Stack, epochs: int, storage: str, *extra: str):
-    return load_config("digits", [
-        f"train.epochs={epochs}", "train.max_steps_per_epoch=4", "scaling.num_workers=2",
-        f"tracking.tracking_uri={stack.tracking_uri}", f"tracking.storage_path={storage}",
-        "tracking.experiment=stack-e2e", *extra,
-    ])
+STACK_EXPERIMENT = "tracking.experiment=stack-e2e"
 
 
 def _bucket_keys(stack: Stack) -> list[str]:
@@ -54,9 +48,9 @@ def _bucket_keys(stack: Stack) -> list[str]:
     return keys
 
 
-def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env, tmp_path):
+def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env, tmp_path, digits_config):
     stack = s3_env
-    cfg = _cfg(stack, 2, f"s3://{stack.bucket}/ray")
+    cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, steps=4)
     first = training.train(cfg)
     assert first.checkpoint_path.startswith(f"s3://{stack.bucket}/ray/{cfg.run_name()}/checkpoint_")
 
@@ -78,7 +72,8 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env
     listed = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert PLOTS <= listed
 
-    second = training.train(_cfg(stack, 3, f"s3://{stack.bucket}/ray"))
+    second = training.train(digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT,
+                                               epochs=3, steps=4))
     assert second.resumed and second.mlflow_run_id == first.mlflow_run_id
     assert [m.step for m in client.get_metric_history(run.info.run_id, "map_at_r")] == [1, 2, 3]
 
@@ -96,9 +91,9 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env
         assert secret not in text
 
 
-def test_mlflow_outage_during_training_loses_nothing(ray_cluster, stack, tmp_path):
+def test_mlflow_outage_during_training_loses_nothing(ray_cluster, stack, tmp_path, digits_config):
     """MLflow stops once the run is open (epoch 1 logs fail) and comes back after epoch 1."""
-    cfg = _cfg(stack, 4, str(tmp_path / "runs"), "train.max_steps_per_epoch=30")
+    cfg = digits_config(stack.tracking_uri, tmp_path / "runs", STACK_EXPERIMENT, epochs=4, steps=30)
     run_dir = tmp_path / "runs" / cfg.run_name()
     client = MlflowClient(stack.tracking_uri)
     outcome: dict = {}
