@@ -19,8 +19,10 @@ them, creating anything needs the workspace-wide ``USE`` grant, which readers do
 
 What MLflow cannot express: a version created in a registered model and an alias moved on it
 need the same permission (``EDIT`` on the model). So a trainer gets ``READ`` on the models
-its maintainers own (it cannot register into them, and cannot move ``champion``) and owns
-the models it creates itself, where it registers candidate versions freely.
+its maintainers own (it cannot register into them, and cannot move ``champion``) and proposes
+candidates of model NAME as versions of a second registered model, ``NAME.candidates``
+(:func:`candidates_model`; ``EDIT`` there via ``stack user add --role trainer --model NAME``).
+A maintainer serves one by copying it into NAME (``proxydml models promote``).
 
 Importing this module is cheap (MLflow is imported inside the functions that talk to a
 server): ``services/cli.py`` imports it on every command.
@@ -46,7 +48,13 @@ CREDENTIALS_HINT = ("export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWOR
                     "in ~/.mlflow/credentials")
 # MLflow's permission levels, weakest first (DENY and NO_PERMISSIONS grant nothing).
 LEVELS = ("NO_PERMISSIONS", "READ", "USE", "EDIT", "MANAGE")
+CANDIDATES_SUFFIX = ".candidates"
 _USERNAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+
+
+def candidates_model(name: str) -> str:
+    """The registered model where trainers propose versions of model ``name``."""
+    return f"{name}{CANDIDATES_SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,8 @@ _READ_ALL = (("experiment", "*", "READ"), ("registered_model", "*", "READ"))
 ROLES: dict[str, Role] = {
     "reader": Role("reader", "views every experiment, run and model; creates and changes nothing", _READ_ALL),
     "trainer": Role("trainer", "creates runs in its experiments (created by it, or given with --experiment); "
-                    "registers versions only in models it created", (("workspace", "*", "USE"), *_READ_ALL)),
+                    "proposes candidates of --model NAME (EDIT on NAME.candidates); registers versions "
+                    "in no model it did not create", (("workspace", "*", "USE"), *_READ_ALL)),
     "maintainer": Role("maintainer", "registers versions and moves aliases (MANAGE on --model, default every "
                        "model); runs retraining in any experiment",
                        (("workspace", "*", "USE"), ("experiment", "*", "EDIT"), ("registered_model", "*", "READ"))),
@@ -339,7 +348,8 @@ class AuthAdmin:
 
         ``password``: a new user gets it, or a generated one (``generate=False``: refused, for a
         caller with nowhere to keep it); an existing user keeps its own unless one is given. ``experiments`` (trainer): EDIT on each, created when missing. ``models``
-        (maintainer): MANAGE on each; none = every model. Bad input raises ValueError.
+        (maintainer): MANAGE on each, none = every model; (trainer): EDIT on each one's
+        candidates model (:func:`candidates_model`, created when missing). Bad input raises ValueError.
         """
         from mlflow.exceptions import MlflowException
 
@@ -349,8 +359,8 @@ class AuthAdmin:
         experiments, models = list(experiments), list(models)
         if experiments and role != "trainer":
             raise ValueError(f"--experiment is for trainers (a {role} needs no per-experiment grant)")
-        if models and role != "maintainer":
-            raise ValueError(f"--model is for maintainers (a {role} only reads models it does not own)")
+        if models and role == "reader":
+            raise ValueError("--model is for trainers and maintainers (a reader only reads models)")
         ids = self.ensure_roles()
         try:
             self.admin.get_user(username)
@@ -378,6 +388,12 @@ class AuthAdmin:
             exp_id = self._experiment_id(name)
             self._grant(username, "experiment", exp_id, "EDIT")
             grants.append(f"EDIT on experiment {name!r} (id {exp_id})")
+        if role == "trainer":
+            for name in models:
+                pool = candidates_model(name)
+                self._model(pool)
+                self._grant(username, "registered_model", pool, "EDIT")
+                grants.append(f"EDIT on model {pool!r} (proposes candidates of {name!r})")
         if role == "maintainer":
             for name in models or ["*"]:
                 self._grant(username, "registered_model", name, "MANAGE")
@@ -397,6 +413,17 @@ class AuthAdmin:
             self._call("revoke permissions", self.admin.revoke_user_permission, username, resource_type, resource_id)
             self._call("grant permissions", self.admin.grant_user_permission, username, resource_type, resource_id,
                        level)
+
+    def _model(self, name: str) -> None:
+        """Registered model ``name``, created (owned by the admin) when missing."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._call("create registered models", self.admin._request,
+                       "/api/2.0/mlflow/registered-models/create", "POST", json={"name": name})
+        except MlflowException as exc:
+            if getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
 
     def _experiment_id(self, name: str) -> str:
         """The id of experiment ``name``, created (owned by the admin) when missing."""

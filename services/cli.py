@@ -191,6 +191,14 @@ def _cmd_models(args: argparse.Namespace) -> int:
             return _models_list(client, args.name)
         if args.models_command == "show":
             return _models_show(client, args)
+        if args.models_command == "propose":
+            return _models_propose(client, args)
+        if args.models_command == "promote":
+            copy, before = registry.promote_candidate(client, args.name, args.candidate)
+            old = before.get(registry.CHAMPION)
+            print(f"model {args.name}: candidate v{args.candidate} of {registry.candidates_of(args.name)} is now "
+                  f"v{copy.version}, the champion" + (f" (previous-champion = v{old})" if old else ""))
+            return 0
         old, new = registry.rollback(client, args.name, args.to)
         print(f"model {args.name}: champion v{old} -> v{new} (previous-champion = v{old})")
         return 0
@@ -222,6 +230,29 @@ def _models_list(client, name: str | None) -> int:
         failed = " (registration failed)" if v.tags.get(registry.FAILED_TAG) == "failed" else ""
         print(f"{str(v.version):8s} {','.join(sorted(by_version.get(str(v.version), []))) or '-':28s} "
               f"{v.tags.get('decision', '-'):14s} {shown:22s} {v.tags.get('snapshot_id', '-')}{failed}")
+    return 0
+
+
+def _models_propose(client, args: argparse.Namespace) -> int:
+    from pipelines.evaluate import is_retrieval_metric
+    from services import registry
+
+    try:
+        run = client.get_run(args.run)
+    except Exception as exc:  # noqa: BLE001 -- MLflow's not-found and bad-id errors differ by store
+        if auth.auth_status(exc):
+            raise
+        raise registry.RegistryError(f"--run {args.run!r}: no such MLflow run") from exc
+    if run.info.status != "FINISHED":
+        raise registry.RegistryError(f"--run {args.run}: the run is {run.info.status}, not FINISHED")
+    # The run's last retrieval scores ride along, as on a retrain candidate (`models list`).
+    scores = {k: v for k, v in run.data.metrics.items() if is_retrieval_metric(k)}
+    tags = {"metric": args.metric, "proposed_by": auth.current_user() or "",
+            **{f"candidate.{k}": f"{v:.6f}" for k, v in scores.items()}}
+    version = registry.propose(client, args.name, run_id=args.run, tags=tags, description=args.note or "")
+    pool = registry.candidates_of(args.name)
+    print(f"model {args.name}: run {args.run} proposed as v{version.version} of {pool}; "
+          f"a maintainer serves it with `proxydml models promote {args.name} --candidate {version.version}`")
     return 0
 
 
@@ -384,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--role", required=True, choices=list(auth.ROLES),
                     help="; ".join(f"{r.name}: {r.summary}" for r in auth.ROLES.values()))
     su.add_argument("--experiment", action="append", default=[], help="trainer: EDIT on this experiment (repeat)")
-    su.add_argument("--model", action="append", default=[], help="maintainer: MANAGE on this model (default all)")
+    su.add_argument("--model", action="append", default=[], help="maintainer: MANAGE on this model (default all); trainer: EDIT on "
+                    "MODEL.candidates, to propose candidates (repeat)")
     su.add_argument("--tracking-uri", default=None, help="another basic-auth MLflow server (admin login from env)")
     su.add_argument("--password-env", default=None, metavar="VAR", help="password from $VAR (default: generated)")
     su.set_defaults(func=_cmd_stack)
@@ -408,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("overrides", nargs="*", help="dotted key=value overrides of the source config")
     rt.set_defaults(func=_cmd_retrain)
 
-    mo = sub.add_parser("models", help="registered models: list | show | rollback")
+    mo = sub.add_parser("models", help="registered models: list | show | rollback | propose | promote")
     mo_opts = argparse.ArgumentParser(add_help=False)
     mo_opts.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
     mo_sub = mo.add_subparsers(dest="models_command", required=True)
@@ -422,7 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
     rb = mo_sub.add_parser("rollback", help="champion := previous-champion (or --to VERSION)", parents=[mo_opts])
     rb.add_argument("name")
     rb.add_argument("--to", default=None, help="version to restore (default: previous-champion)")
-    for p in (ls, sh, rb):
+    pr = mo_sub.add_parser("propose", help="a trainer's run as a candidate version of NAME (in NAME.candidates)",
+                           parents=[mo_opts])
+    pr.add_argument("name")
+    pr.add_argument("--run", required=True, help="MLflow run id of a finished training run (its logged model)")
+    pr.add_argument("--metric", default="map_at_r", help="the score `models list` shows (default map_at_r)")
+    pr.add_argument("--note", default=None, help="description of the candidate")
+    pm = mo_sub.add_parser("promote", help="champion := a copy of candidate V (maintainer)", parents=[mo_opts])
+    pm.add_argument("name")
+    pm.add_argument("--candidate", required=True, help="version number in NAME.candidates")
+    for p in (ls, sh, rb, pr, pm):
         p.set_defaults(func=_cmd_models)
 
     sj = sub.add_parser("submit", help="run a command as a Ray Job on a cluster and follow it: submit -- CMD...")

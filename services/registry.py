@@ -43,6 +43,7 @@ from services import auth  # noqa: E402
 
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
+CANDIDATES_SUFFIX, candidates_of = auth.CANDIDATES_SUFFIX, auth.candidates_model  # why: see services.auth
 FAILED_TAG = "registration"  # value "failed" on a version whose registration was undone
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -64,6 +65,12 @@ def maintainer_need(name: str) -> auth.Need:
     """What moving the aliases of model ``name`` needs, for :mod:`services.auth` messages."""
     return auth.Need("MANAGE", f"registered model {name!r}", "register versions and move its "
                      f"{CHAMPION!r} alias (role maintainer)", f"--role maintainer --model {name}")
+
+
+def trainer_need(name: str) -> auth.Need:
+    """What proposing a candidate of model ``name`` needs, for :mod:`services.auth` messages."""
+    return auth.Need("EDIT", f"registered model {candidates_of(name)!r}",
+                     f"propose candidate versions of {name!r} (role trainer)", f"--role trainer --model {name}")
 
 
 def require_maintainer(client: MlflowClient, name: str) -> None:
@@ -233,18 +240,7 @@ def _register_version(
 ) -> Registration:
     step = hook or (lambda _step: None)
     source, model_id = logged_model_of_run(client, run_id)
-    created_model = False
-    if get_model(client, name) is None:
-        try:
-            client.create_registered_model(
-                name, tags=model_tags or {},
-                description="ProxyDML image embedder (proxy-based deep metric learning); "
-                            "'champion' alias = the version to serve, 'previous-champion' = rollback target.",
-            )
-            created_model = True
-        except MlflowException as exc:  # created concurrently: fine, it is the same model
-            if _code(exc) != "RESOURCE_ALREADY_EXISTS":
-                raise
+    created_model = _ensure_model(client, name, model_tags)
     version: ModelVersion | None = None
     before: dict[str, str] | None = None
     try:
@@ -265,6 +261,26 @@ def _register_version(
         raise
 
 
+def _ensure_model(client: MlflowClient, name: str, tags: dict[str, str] | None = None) -> bool:
+    """Create registered model ``name`` when missing; True when this call created it."""
+    if get_model(client, name) is not None:
+        return False
+    if name.endswith(CANDIDATES_SUFFIX):
+        served = name.removesuffix(CANDIDATES_SUFFIX)
+        description = (f"Candidate versions of {served!r} proposed by trainers (`proxydml models propose`); "
+                       f"a maintainer serves one with `proxydml models promote {served} --candidate V`.")
+    else:
+        description = ("ProxyDML image embedder (proxy-based deep metric learning); "
+                       "'champion' alias = the version to serve, 'previous-champion' = rollback target.")
+    try:
+        client.create_registered_model(name, tags=tags or {}, description=description)
+        return True
+    except MlflowException as exc:  # created concurrently: fine, it is the same model
+        if _code(exc) != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return False
+
+
 def _undo(client: MlflowClient, name: str, version: ModelVersion | None, created_model: bool,
           aliases_before: dict[str, str] | None) -> None:
     if aliases_before is not None:  # aliases first: they must not point at a version being deleted
@@ -283,6 +299,60 @@ def _undo(client: MlflowClient, name: str, version: ModelVersion | None, created
                 client.delete_registered_model(name)
         except Exception:
             pass
+
+
+def propose(client: MlflowClient, name: str, *, run_id: str, tags: dict[str, str],
+            description: str = "") -> ModelVersion:
+    """Register the model ``run_id`` logged as a new version of ``NAME.candidates``.
+
+    A trainer's way to offer a model for ``name`` without the power to serve it: ``name`` and
+    its aliases are not touched. All or nothing, like :func:`register_version`.
+    """
+    check_model_name(name)
+    if name.endswith(CANDIDATES_SUFFIX):
+        raise RegistryError(f"model name {name!r}: propose to the served model; its candidates live in "
+                            f"{candidates_of(name.removesuffix(CANDIDATES_SUFFIX))!r}")
+    with auth.guard(client.tracking_uri, trainer_need(name)):
+        return _register_version(client, candidates_of(name), run_id=run_id, tags={"candidate_for": name, **tags},
+                                 description=description, promote_it=False,
+                                 model_tags={"candidates_for": name}, hook=None).version
+
+
+def promote_candidate(client: MlflowClient, name: str, candidate: str) -> tuple[ModelVersion, dict[str, str]]:
+    """Copy version ``candidate`` of ``NAME.candidates`` into ``name`` and make it the champion.
+
+    The maintainer's decision (MANAGE on ``name``, checked before anything changes). All or
+    nothing: when the alias move fails the copied version is deleted again. Returns the new
+    version of ``name`` and its aliases before.
+    """
+    pool = candidates_of(name)
+    require_maintainer(client, name)
+    with auth.guard(client.tracking_uri, maintainer_need(name)):
+        try:
+            source = client.get_model_version(pool, str(candidate))
+        except MlflowException as exc:
+            if _missing(exc):
+                raise RegistryError(f"model {pool!r} has no version {candidate}") from exc
+            raise
+        if source.tags.get(FAILED_TAG) == "failed":
+            raise RegistryError(f"version {candidate} of {pool!r} is a failed registration")
+        created_model = _ensure_model(client, name)
+        copy: ModelVersion | None = None
+        before: dict[str, str] | None = None
+        try:
+            # What MlflowClient.copy_model_version does, without its progress lines on stderr:
+            # the same run, tags and description; the source is the candidate's registry URI.
+            copy = client.create_model_version(
+                name, source=f"models:/{pool}/{source.version}", run_id=source.run_id,
+                tags={**source.tags, "promoted_from": f"{pool}/{source.version}"},
+                description=source.description, model_id=source.model_id,
+            )
+            before = aliases_of(client, name)
+            promote(client, name, str(copy.version))
+        except BaseException:
+            _undo(client, name, copy, created_model, before)
+            raise
+        return copy, before
 
 
 def rollback(client: MlflowClient, name: str, to: str | None = None) -> tuple[str | None, str]:

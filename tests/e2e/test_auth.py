@@ -66,7 +66,7 @@ def stack(make_stack):
 def users(stack):
     """name -> password. The trainer through the CLI, the others through Stack.add_user."""
     t0 = time.monotonic()
-    code = cli_main(["stack", "user", "add", "tr", "--role", "trainer", "--experiment", TEAM,
+    code = cli_main(["stack", "user", "add", "tr", "--role", "trainer", "--experiment", TEAM, "--model", MODEL,
                      "--state-dir", str(stack.state_dir)])
     assert code == 0
     stack.add_user("rd", "reader")
@@ -166,7 +166,7 @@ def test_admin_password_is_generated_private_and_never_shown(stack, users, capsy
     assert code == 0 and "updated" in out and "password unchanged" in out
     code, _, err, _ = _cli(capsys, ["stack", "user", "add", "rd", "--role", "reader", "--model", MODEL,
                                     "--state-dir", str(stack.state_dir)])
-    assert code == 2 and _one_line_refusal(err) == "error: --model is for maintainers (a reader only reads models it does not own)"
+    assert code == 2 and _one_line_refusal(err) == "error: --model is for trainers and maintainers (a reader only reads models)"
     # Another basic-auth server (compose, Kubernetes): --tracking-uri, admin login from the
     # environment, the new user's password from an environment variable (never argv).
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
@@ -387,17 +387,30 @@ def test_trainer_cannot_move_champion_a_maintainer_can(stack, users, tmp_path, c
     for move in (lambda: client.set_registered_model_alias(MODEL, "champion", "1"),
                  lambda: client.delete_registered_model_alias(MODEL, "champion"),
                  # MLflow checks a new version with the alias permission (EDIT on the model):
-                 # so a trainer registers its candidates in a model of its own (below).
+                 # so a trainer proposes candidates in MODEL.candidates (below).
                  lambda: client.create_model_version(MODEL, f"runs:/{SHARED['run']}/model", run_id=SHARED["run"])):
         with pytest.raises(MlflowException) as refused:
             move()
         assert auth.auth_status(refused.value) == 403
     assert registry.aliases_of(client, MODEL) == before
-    # A trainer registers candidate versions (and aliases) in models it creates.
-    own = f"{MODEL}-candidates-tr"
-    client.create_registered_model(own)
-    version = client.create_model_version(own, f"runs:/{SHARED['run']}/model", run_id=SHARED["run"])
-    client.set_registered_model_alias(own, "candidate", version.version)
+    # The trainer proposes its run as a candidate of MODEL: a version of MODEL.candidates, with
+    # the run's scores; MODEL itself (versions, aliases) is untouched.
+    versions_before = len(registry.versions(client, MODEL))
+    code, out, err, _ = _cli(capsys, ["models", "propose", MODEL, "--run", SHARED["run"], "--note", "2-worker run"])
+    assert code == 0 and f"proposed as v1 of {MODEL}.candidates" in out, err
+    [candidate] = registry.versions(client, registry.candidates_of(MODEL))
+    assert candidate.run_id == SHARED["run"] and candidate.tags["proposed_by"] == "tr"
+    assert candidate.tags["candidate_for"] == MODEL and float(candidate.tags["candidate.map_at_r"]) > 0
+    assert registry.aliases_of(client, MODEL) == before and len(registry.versions(client, MODEL)) == versions_before
+    # ...but cannot serve it.
+    code, _, err, _ = _cli(capsys, ["models", "promote", MODEL, "--candidate", "1"])
+    assert code == auth.EXIT_NOPERM and f"MANAGE permission on registered model '{MODEL}'" in _one_line_refusal(err)
+    assert registry.aliases_of(client, MODEL) == before
+    # A reader can do neither.
+    login(monkeypatch, users, "rd")
+    code, _, err, _ = _cli(capsys, ["models", "propose", MODEL, "--run", SHARED["run"]])
+    assert code == auth.EXIT_NOPERM and f"EDIT permission on registered model '{MODEL}.candidates'" in _one_line_refusal(err)
+    assert len(registry.versions(client, registry.candidates_of(MODEL))) == 1  # nothing half-registered
 
     # A reader is refused too; the maintainer rolls back.
     login(monkeypatch, users, "rd")
@@ -407,6 +420,16 @@ def test_trainer_cannot_move_champion_a_maintainer_can(stack, users, tmp_path, c
     code, out, err, _ = _cli(capsys, ["models", "rollback", MODEL])
     assert code == 0 and "champion v2 -> v1" in out, err
     assert registry.aliases_of(MlflowClient(stack.tracking_uri), MODEL) == {"champion": "1", "previous-champion": "2"}
+    # The maintainer serves the trainer's candidate: copied into MODEL as a new version, champion.
+    code, out, err, _ = _cli(capsys, ["models", "promote", MODEL, "--candidate", "1"])
+    assert code == 0 and "now v3, the champion (previous-champion = v1)" in out, err
+    client = MlflowClient(stack.tracking_uri)
+    assert registry.aliases_of(client, MODEL) == {"champion": "3", "previous-champion": "1"}
+    served = client.get_model_version(MODEL, "3")
+    assert served.run_id == SHARED["run"] and served.tags["promoted_from"] == f"{MODEL}.candidates/1"
+    assert served.tags["proposed_by"] == "tr"
+    code, out, err, _ = _cli(capsys, ["models", "rollback", MODEL])  # and rolls back as usual
+    assert code == 0 and "champion v3 -> v1" in out, err
 
 
 # ---------------------------------------------------------------- 7. no password anywhere ---

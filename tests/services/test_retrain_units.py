@@ -273,6 +273,46 @@ def test_promote_restores_the_first_alias_when_the_second_fails(store, name, mon
     assert registry.aliases_of(client, name) == {"champion": "2", "previous-champion": "1"}
 
 
+def test_proposed_candidate_is_served_only_by_promote(store, name, capsys, monkeypatch):
+    client = MlflowClient(store)
+    r1, r2, _ = _runs(client, 3, name)
+    client.log_metric(r2, "map_at_r", 0.625)
+    client.set_terminated(r2)
+    registry.register_version(client, name, run_id=r1, tags={}, description="", promote_it=True)
+    code, out, err = _cli(capsys, "models", "propose", name, "--run", r2, "--tracking-uri", store)
+    assert code == 0 and f"proposed as v1 of {name}.candidates" in out, err
+    [candidate] = registry.versions(client, registry.candidates_of(name))
+    assert candidate.run_id == r2 and candidate.tags["candidate.map_at_r"] == "0.625000"
+    assert registry.aliases_of(client, name) == {"champion": "1"} and len(registry.versions(client, name)) == 1
+    # Bad input: one line, exit 2, nothing registered.
+    for argv, message in ((("--run", r1), "is RUNNING, not FINISHED"), (("--run", "0" * 32), "no such MLflow run")):
+        code, _, err = _cli(capsys, "models", "propose", name, *argv, "--tracking-uri", store)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _cli(capsys, "models", "promote", name, "--candidate", "7", "--tracking-uri", store)
+    assert code == 2 and f"model '{name}.candidates' has no version 7" in err
+    assert len(registry.versions(client, registry.candidates_of(name))) == 1
+    # A failed alias move deletes the copy again: the served model is as before.
+    real = client.set_registered_model_alias
+
+    def flaky(model, alias, version):
+        if alias == "champion":
+            raise ConnectionError("lost the server during the alias move")
+        return real(model, alias, version)
+
+    monkeypatch.setattr(client, "set_registered_model_alias", flaky)
+    with pytest.raises(ConnectionError):
+        registry.promote_candidate(client, name, "1")
+    assert [str(v.version) for v in registry.versions(client, name)] == ["1"]
+    assert registry.aliases_of(client, name) == {"champion": "1"}
+    monkeypatch.undo()
+    code, out, err = _cli(capsys, "models", "promote", name, "--candidate", "1", "--tracking-uri", store)
+    assert code == 0 and "now v3, the champion (previous-champion = v1)" in out, err
+    served = client.get_model_version(name, "3")
+    assert served.run_id == r2 and served.tags["promoted_from"] == f"{name}.candidates/1"
+    assert served.tags["candidate.map_at_r"] == "0.625000"
+    assert registry.aliases_of(client, name) == {"champion": "3", "previous-champion": "1"}
+
+
 # ---------------------------------------------------------------- lock ------------------------
 
 
