@@ -19,6 +19,7 @@ from PIL import Image
 from pipelines.config import load_config
 from pipelines.tracking import LocalReporter
 from pipelines.train import run
+from tests.distributed.sharded_workers import shutdown_process_group
 
 TRAIN_CLASSES, TEST_CLASSES, PER_CLASS, SIZE = 6, 4, 8, 20
 
@@ -69,4 +70,4 @@ def train_worker(rank: int, world: int, store_file: str, data_root: str, out: st
         run(cfg, LocalReporter(Path(out)))
         dist.barrier()  # every rank's shard is in the checkpoint before the parent reads it
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
