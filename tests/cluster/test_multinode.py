@@ -1,8 +1,4 @@
-"""Not collected by the suite yet (run: pytest tests/cluster/multinode_scenarios.py): on the
-2-core machine the node-local refusal scenario failed once and the sweep scenario ran past ten
-minutes inside the full suite, which must stay under 30 minutes. The elastic scenario passed.
-
-A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: separate raylets
+"""A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: separate raylets
 and object stores) with no shared state: S3 and MLflow from the local stack, each node its own
 data cache ($PROXYDML_CACHE).
 
