@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from pipelines.config import ConfigError, describe, load_config
@@ -38,6 +39,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pipelines.evaluate import is_retrieval_metric
     from services import console, training
 
+    started = time.monotonic()  # wall time from the command's start to the final table
     cfg = training.resolve_for_workers(load_config(args.config, args.overrides))
     with console.run_console(console.log_path_for(cfg.run_name()), discard_on=USER_ERRORS) as log:
         print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
@@ -54,6 +56,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"checkpoint  : {out.checkpoint_path}")
         print(f"run name    : {out.run_name}{' (resumed)' if out.resumed else ''}")
         print(f"log         : {log} (everything, library output included)")
+        print(f"wall time   : {time.monotonic() - started:.0f} s")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_pat
     for needle in ("faiss", "INFO mlflow", "PreemptionWatcher", "No complete tensor found"):
         assert not [line for line in lines if needle in line], needle
     assert "unseen-class retrieval (last epoch)" in shown and "recall_at_1" in shown
+    assert re.search(r"wall time   : \d+ s", shown), shown  # start of the command to the final table
 
     # The log file has all of it: what the console left out is there.
     logs = list((tmp_path / ".proxydml" / "logs").glob("digits-*.log"))
