@@ -228,7 +228,7 @@ def _models_list(client, name: str | None) -> int:
     print(f"{'version':8s} {'aliases':28s} {'decision':14s} {'metric':22s} snapshot")
     for v in registry.versions(client, name):
         metric = v.tags.get("metric", "")
-        value = v.tags.get(f"candidate.{metric}", "")
+        value = v.tags.get(f"{registry.CANDIDATE_SCORES}{metric}", "")
         shown = f"{metric}={float(value):.4f}" if value else ""
         failed = " (registration failed)" if v.tags.get(registry.FAILED_TAG) == "failed" else ""
         print(f"{str(v.version):8s} {','.join(sorted(by_version.get(str(v.version), []))) or '-':28s} "
@@ -251,7 +251,7 @@ def _models_propose(client, args: argparse.Namespace) -> int:
     # The run's last retrieval scores ride along, as on a retrain candidate (`models list`).
     scores = {k: v for k, v in run.data.metrics.items() if is_retrieval_metric(k)}
     tags = {"metric": args.metric, "proposed_by": auth.current_user() or "",
-            **{f"candidate.{k}": f"{v:.6f}" for k, v in scores.items()}}
+            **registry.score_tags(registry.CANDIDATE_SCORES, scores)}
     version = registry.propose(client, args.name, run_id=args.run, tags=tags, description=args.note or "")
     pool = registry.candidates_of(args.name)
     print(f"model {args.name}: run {args.run} proposed as v{version.version} of {pool}; "

@@ -46,6 +46,19 @@ PREVIOUS = "previous-champion"
 CANDIDATES_SUFFIX, candidates_of = auth.CANDIDATES_SUFFIX, auth.candidates_model  # why: see services.auth
 FAILED_TAG = "registration"  # value "failed" on a version whose registration was undone
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A version's scores ride on it as tags "candidate.<metric>" (the model it registers) and
+# "champion.<metric>" (the one it was compared with), so `models list` shows them without a run.
+CANDIDATE_SCORES, CHAMPION_SCORES = "candidate.", "champion."
+
+
+def score_tags(prefix: str, scores: dict[str, float] | None) -> dict[str, str]:
+    """``{"<prefix><metric>": "0.123456"}``: scores as version tags (MLflow tags are strings)."""
+    return {f"{prefix}{k}": f"{v:.6f}" for k, v in (scores or {}).items()}
+
+
+def scores_in_tags(tags: dict[str, str], prefix: str) -> dict[str, float]:
+    """The inverse of :func:`score_tags`."""
+    return {k[len(prefix):]: float(v) for k, v in tags.items() if k.startswith(prefix)}
 
 
 class RegistryError(ValueError):

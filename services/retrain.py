@@ -304,13 +304,10 @@ def existing_result(client: Any, model: str, key: str, metric: str) -> RetrainRe
         return None
     v = done[0]
     tags = v.tags
-
-    def metrics(prefix: str) -> dict[str, float]:
-        return {k[len(prefix):]: float(val) for k, val in tags.items() if k.startswith(prefix)}
-
     return RetrainResult(
         model=model, version=str(v.version), decision=tags.get("decision", "?"), reason=tags.get("reason", ""),
-        metric=tags.get("metric", metric), candidate=metrics("candidate."), champion=metrics("champion.") or None,
+        metric=tags.get("metric", metric), candidate=registry.scores_in_tags(tags, registry.CANDIDATE_SCORES),
+        champion=registry.scores_in_tags(tags, registry.CHAMPION_SCORES) or None,
         champion_version=tags.get("champion_version") or None, snapshot_id=tags.get("snapshot_id", "?"),
         config_hash=tags.get("config_hash", "?"), run_name=key, run_id=v.run_id or "", reused=True,
     )
@@ -393,8 +390,8 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
             "git_sha": _git_sha(), "code_version": _code_version(), "metric": req.metric,
             "margin": f"{req.margin:g}", "decision": decision, "reason": reason,
             "champion_version": champ_version or "", "mlflow_run_id": outcome.mlflow_run_id,
-            **{f"candidate.{k}": f"{v:.6f}" for k, v in candidate.items()},
-            **{f"champion.{k}": f"{v:.6f}" for k, v in (champion_metrics or {}).items()},
+            **registry.score_tags(registry.CANDIDATE_SCORES, candidate),
+            **registry.score_tags(registry.CHAMPION_SCORES, champion_metrics),
         }
         lock.verify()  # never register on a lock that was taken over
         reg = registry.register_version(
