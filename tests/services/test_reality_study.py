@@ -1,0 +1,133 @@
+"""The reality-check study's protocol (tests/benchmarks/bench_reality.py), without training:
+its spaces against its recipes, the ASHA budget, the seed-spread verdicts, the table and
+the resumable state."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.config import load_config
+from services import sweep
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_reality.py"
+_spec = importlib.util.spec_from_file_location("bench_reality", _PATH)
+study = importlib.util.module_from_spec(_spec)
+sys.modules["bench_reality"] = study  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(study)
+
+
+@pytest.mark.parametrize("method", [m for m in study.METHODS if m.space], ids=lambda m: m.key)
+def test_each_method_space_validates_against_its_recipe(method):
+    base = load_config(method.recipe)
+    spec = sweep.load_sweep(base, method.space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
+                            cluster_cpus=64)
+    keys = {d.key for d in spec.space}
+    assert "optim.lr" in keys  # the papers' knobs plus the learning rate
+    own = {"proxy_nca_pp": {"loss.temperature"}, "proxy_nca": set(), "proxy_anchor": {"loss.alpha", "loss.delta"},
+           "proxy_isa": {"loss.V", "loss.tau", "loss.h", "loss.k"},
+           "ps_proxy_nca_pp": {"synthesis.alpha", "synthesis.mu"},
+           "ps_proxy_anchor": {"synthesis.alpha", "synthesis.mu"}}[method.key]
+    assert keys == own | {"optim.lr"}
+    assert base.synthesis.enabled == method.key.startswith("ps_")
+
+
+def test_every_space_file_of_the_study_belongs_to_a_method():
+    files = {p.stem for p in sweep.SEARCH_DIR.glob("reality_*.yaml")}
+    assert files == {m.space for m in study.METHODS if m.space}
+
+
+def test_peer_baseline_is_the_plain_set_up():
+    cfg = load_config(study.BY_KEY["peer"].recipe)
+    assert (cfg.loss.name, cfg.model.frozen_stages, cfg.data.image_size, cfg.data.random_flip) == (
+        "proxy_anchor", 0, 64, True)
+    assert (cfg.model.pooling, cfg.model.embedding_dim, cfg.model.frozen_bn, cfg.optim.scheduler) == (
+        "avg+max", 512, True, "none")
+    assert (cfg.optim.lr, cfg.optim.proxy_lr_multiplier, cfg.optim.warmup_epochs, cfg.data.crop_scale_min) == (
+        1e-4, 100.0, 1, 0.6)
+
+
+@pytest.mark.parametrize(("trials", "epochs", "expected"), [
+    (4, 5, 4 * 1 + 2 * 1 + 1 * 2 + 0.5 * 1),  # rungs at 1, 2, 4 epochs, the last ends at 5
+    (8, 5, 17.0),
+    (3, 1, 3.0),  # one epoch: no rung to promote to
+])
+def test_asha_epochs(trials, epochs, expected):
+    assert study.asha_epochs(trials, epochs) == pytest.approx(expected)
+
+
+def test_budget_grows_with_trials_and_seeds_and_peer_has_no_sweep():
+    args = (3965, 1500, 3965, study.METHODS)
+    small, more_trials, more_seeds = (study.estimate_s(t, s, 5, *args) for t, s in ((2, 3), (8, 3), (2, 4)))
+    assert more_trials["proxy_nca_pp"] > small["proxy_nca_pp"] and more_trials["peer"] == small["peer"]
+    assert more_seeds["peer"] == pytest.approx(small["peer"] * 4 / 3)
+    assert small["proxy_nca_pp"] > small["peer"]
+
+
+def test_capped_epochs_cost_less_and_eval_cost_stays():
+    args = (3965, 1500, 3965, study.METHODS)
+    full, capped = study.estimate_s(2, 1, 2, *args), study.estimate_s(2, 1, 2, *args, epoch_cap=192)
+    # the peer row (no sweep): only its 2 training epochs shrink, from 3965 to 192 images each
+    assert full["peer"] - capped["peer"] == pytest.approx(2 * (3965 - 192) * study.S_PER_TRAIN_IMAGE)
+    assert capped["peer"] > study.S_START + 3965 * study.S_PER_EVAL_IMAGE
+
+
+@pytest.mark.parametrize("line", ["sweep sweep-emoji-proxy_nca_pp-1a2b3c4d: 4 trial(s), best R@1 0.61",
+                                  "sweep sweep-emoji-proxy_nca_pp-1a2b3c4d (resumed): 4 trial(s)"])
+def test_sweep_name_is_read_from_tunes_summary_line(line):
+    out = f"proxydml tune: 4 trial(s) of 1 worker(s)\n{line}\n  trial 0 ..."
+    assert study.sweep_name(out) == "sweep-emoji-proxy_nca_pp-1a2b3c4d"
+
+
+def test_no_summary_line_stops_the_study():
+    with pytest.raises(SystemExit, match="no sweep summary"):
+        study.sweep_name("proxydml tune: 4 trial(s)\nTraceback ...")
+
+
+@pytest.mark.parametrize(("a", "b", "strict", "expected"), [
+    ([0.70, 0.71, 0.72], [0.60, 0.65, 0.69], True, "holds beyond the seed spread"),
+    ([0.70, 0.71, 0.72], [0.60, 0.65, 0.70], True, "within the seed spread (not shown)"),
+    ([0.50, 0.51, 0.52], [0.60, 0.65, 0.70], True, "fails beyond the seed spread"),
+    ([0.55, 0.56, 0.57], [0.55, 0.555, 0.56], False, "holds within the seed spread"),
+    ([0.50, 0.51, 0.52], [0.55, 0.555, 0.56], False, "fails beyond the seed spread"),
+])
+def test_verdict_is_judged_against_the_seed_spread(a, b, strict, expected):
+    assert study.verdict(a, b, strict) == expected
+
+
+def test_one_seed_has_no_spread_to_judge():
+    assert study.verdict([0.7], [0.6], True) == "one seed only: > (no spread to judge)"
+    assert study.verdict([0.5], [0.6], True) == "one seed only: <= (no spread to judge)"
+    assert study.verdict([0.5, 0.6], [0.6], False) == "one seed only: < (no spread to judge)"
+
+
+def _final(r1: float, mapr: float) -> dict[str, float]:
+    return {"R@1": r1, "MAP@R": mapr, "cross-family R@1": r1 - 0.02, "minutes": 5.0, "run_id": "x"}
+
+
+def test_state_survives_a_restart_and_the_table_reports_mean_std_and_claims(tmp_path):
+    state = study.State(tmp_path / "state.json")
+    pp = state.part("proxy_nca_pp")
+    pp.update(sweep="sweep-emoji-proxy_nca_pp-abc", chosen={"loss.temperature": 0.1, "optim.lr": 4e-4})
+    pp["finals"].update({"0": _final(0.70, 0.41), "1": _final(0.72, 0.43)})
+    state.save()
+    # An interrupted study starts again from the file: finished seeds are not rerun.
+    again = study.State(tmp_path / "state.json")
+    assert set(again.part("proxy_nca_pp")["finals"]) == {"0", "1"}
+    again.part("proxy_nca")["finals"].update({"0": _final(0.60, 0.30), "1": _final(0.62, 0.31)})
+    again.part("peer")["finals"].update({"0": _final(0.71, 0.40), "1": _final(0.74, 0.42)})
+    table, data = study.summary(again, study.METHODS)
+    assert "| ProxyNCA++ | 2 | 0.710 +- 0.014 | 0.420 +- 0.014 | 0.690 +- 0.014 | 5.0 |" in table
+    assert "loss.temperature=0.1, optim.lr=0.0004" in table
+    assert data["claims"]["ProxyNCA++ > ProxyNCA"] == {"R@1": "holds beyond the seed spread",
+                                                       "MAP@R": "holds beyond the seed spread"}
+    assert data["claims"]["ProxyNCA++ > plain peer"]["R@1"] == "within the seed spread (not shown)"
+    # Claims whose methods have not run yet are left out, not guessed.
+    assert not any("Proxy-ISA" in c for c in data["claims"])
+    assert json.loads(json.dumps(data)) == data
+    assert not (tmp_path / "state.json.tmp").exists()
+
