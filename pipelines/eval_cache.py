@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from pipelines.evaluate import embed
+from pipelines.evaluate import embed, eval_autocast
 
 
 def frozen_fingerprint(model: nn.Module, frozen: list[nn.Module], dataset: Dataset) -> str:
@@ -56,28 +56,37 @@ class FrozenFeatureCache:
 @torch.no_grad()
 def embed_frozen_cached(
     model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device | str, workers: int,
-    cache: FrozenFeatureCache | None,
+    cache: FrozenFeatureCache | None, precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`pipelines.evaluate.embed`: (N, d) float32 embeddings and (N,) labels on the CPU.
 
     ``model`` is an ``EmbeddingModel``; without frozen stages or a cache this is ``embed``.
+    Under bf16 autocast (``precision``) the cache keeps the bf16 activations the frozen stages
+    return, so ``model(x) == from_frozen(frozen_features(x))`` still holds to the bit.
     """
     depth = getattr(model, "frozen_depth", 0)
     if cache is None or not depth or cache.max_bytes <= 0 or cache.too_large:
-        return embed(model, dataset, batch_size, device, workers)
+        return embed(model, dataset, batch_size, device, workers, precision)
     was_training = model.training
     model.eval()
     try:
-        key = frozen_fingerprint(model, model._frozen, dataset)  # type: ignore[arg-type]
+        # the precision changes the activations (bf16 autocast), so it is part of the key
+        key = frozen_fingerprint(model, model._frozen, dataset) + precision  # type: ignore[arg-type]
         if cache.key == key and cache.batches:
             cache.hits += 1
-            embs = [model.from_frozen(acts).float().cpu() for acts, _ in cache.batches]  # type: ignore[operator]
+            embs = []
+            for acts, _ in cache.batches:
+                with eval_autocast(precision, device):
+                    out = model.from_frozen(acts)  # type: ignore[operator]
+                embs.append(out.float().cpu())
             return torch.cat(embs), torch.cat([y for _, y in cache.batches])
         cache.key, cache.batches = key, []
         embs, labels = [], []
         for images, y, *_ in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
-            acts = model.frozen_features(images.to(device))  # type: ignore[operator]
-            embs.append(model.from_frozen(acts).float().cpu())  # type: ignore[operator]
+            with eval_autocast(precision, device):
+                acts = model.frozen_features(images.to(device))  # type: ignore[operator]
+                out = model.from_frozen(acts)  # type: ignore[operator]
+            embs.append(out.float().cpu())
             labels.append(torch.as_tensor(y).long())
             if not cache.too_large:
                 cache.batches.append((acts, labels[-1]))

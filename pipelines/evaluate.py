@@ -11,6 +11,7 @@ Only torch, numpy and faiss are imported, so this module can run inside any work
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["RANK_METRICS", "embed", "format_metrics", "is_retrieval_metric", "metric_names", "retrieval_metrics"]
+__all__ = ["RANK_METRICS", "embed", "eval_autocast", "format_metrics", "native_bf16", "is_retrieval_metric", "metric_names", "retrieval_metrics"]
 
 ArrayLike = torch.Tensor | np.ndarray
 
@@ -42,6 +43,28 @@ _KMEANS_SEED = 1234
 _KMEANS_NITER = 20
 
 
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a CUDA GPU that supports it, or a CPU
+    with AMX tiles or AVX512-BF16 (elsewhere bf16 is emulated and slower than fp32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # private probes (torch.cpu), hence getattr: a torch without them counts as "no"
+        return any(getattr(torch.cpu, probe, lambda: False)()
+                   for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return False
+
+
+def eval_autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context an evaluation forward pass runs in (``train.eval_precision``): bfloat16
+    autocast for ``"bf16"`` where the device computes it natively, else nothing (fp32)."""
+    device = torch.device(device)
+    if precision == "bf16" and native_bf16(device):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def embed(
     model: Callable[[torch.Tensor], torch.Tensor],
@@ -49,12 +72,14 @@ def embed(
     batch_size: int = 256,
     device: torch.device | str = "cpu",
     workers: int = 0,
+    precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embed every ``(image, label, index)`` item of ``dataset`` in order, in eval mode.
 
     Returns (N, d) float32 embeddings and (N,) long labels on the CPU. ``model`` may be an
     ``nn.Module`` (put in eval mode, then back in its previous mode) or any callable, e.g. an
-    exported MLflow pt2 program, which has no train/eval switch.
+    exported MLflow pt2 program, which has no train/eval switch. ``precision``: see
+    :func:`eval_autocast`.
     """
     was_training = bool(getattr(model, "training", False))
     try:
@@ -64,7 +89,9 @@ def embed(
     embs, labels = [], []
     try:
         for images, y, *_ in DataLoader(dataset, batch_size=batch_size, num_workers=workers):
-            embs.append(model(images.to(device)).float().cpu())
+            with eval_autocast(precision, device):
+                out = model(images.to(device))
+            embs.append(out.float().cpu())
             labels.append(torch.as_tensor(y).long())
     finally:
         if was_training:

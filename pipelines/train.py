@@ -33,7 +33,7 @@ from pipelines.data import (
     dataset_labels,
 )
 from pipelines.eval_cache import FrozenFeatureCache, embed_frozen_cached
-from pipelines.evaluate import retrieval_metrics
+from pipelines.evaluate import native_bf16, retrieval_metrics
 from pipelines.models import EmbeddingModel
 from pipelines.plots import record_isa_state, write_dashboard
 from pipelines.tracking import NullProgress, NullTracker, Reporter, Tracker
@@ -125,7 +125,7 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
     """
     positions = eval_positions(len(split.test), cfg.data.eval_batch_size, D.rank(), D.world_size())
     emb, labels = embed_frozen_cached(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size,
-                                      dev, cfg.data.loader_workers, cache)
+                                      dev, cfg.data.loader_workers, cache, cfg.train.eval_precision)
     order = torch.tensor(positions, dtype=torch.long)
     emb, labels, order = (D.gather_rows(t.to(dev)).cpu() for t in (emb, labels, order))
     if D.rank() != 0:
@@ -262,6 +262,8 @@ def run(
     dev = D.device()
     rank, world = D.rank(), D.world_size()
     torch.manual_seed(cfg.train.seed)  # identical init on every rank (DDP also broadcasts)
+    if cfg.train.eval_precision == "bf16" and not native_bf16(dev):
+        D.print0(f"note: train.eval_precision=bf16, but this {dev.type} has no native bfloat16: evaluating in fp32")
 
     split = build_datasets(cfg.data)
     in_channels = split.train[0][0].shape[0]

@@ -128,7 +128,10 @@ def snapshot_overrides(snapshot: Snapshot) -> list[str]:
 
 
 def evaluate_split(cfg: Config, model: Any, split: Any) -> dict[str, float]:
-    """Retrieval metrics of ``model`` on ``split.test`` (every item queries all the others)."""
+    """Retrieval metrics of ``model`` on ``split.test`` (every item queries all the others).
+
+    Always in fp32, whatever ``train.eval_precision`` the run trained with: candidate and
+    champion are compared at the one reference precision."""
     from pipelines.evaluate import embed, retrieval_metrics
 
     emb, labels = embed(model, split.test, cfg.data.eval_batch_size)

@@ -85,8 +85,9 @@ def baselines(split: DataSplit) -> dict[str, dict[str, float]]:
     }
 
 
-def train_one(recipe: str, overrides: list[str], eval_scales: Sequence[float] = ()) -> tuple[dict[str, float], float]:
-    """Train ``recipe``; its row, plus R@1 and MAP@R of the same checkpoint at each of ``eval_scales``."""
+def train_one(recipe: str, overrides: list[str], rescore: Sequence[str] = ()) -> tuple[dict[str, float], float]:
+    """Train ``recipe``; its row, plus R@1 and MAP@R of the same checkpoint scored again with
+    each override of ``rescore`` (e.g. ``data.eval_scale=1.5``, ``train.eval_precision=fp32``)."""
     from pipelines.tracking import LocalReporter
     from pipelines.train import evaluate_checkpoint, load_model, run
 
@@ -109,9 +110,9 @@ def train_one(recipe: str, overrides: list[str], eval_scales: Sequence[float] = 
         ckpt = sorted(Path(tmp).glob("checkpoint_*"))[-1]
         _, model, split = load_model(ckpt)
         row.update(google_to_twitter(model, split))
-        for scale in eval_scales:
-            m = evaluate_checkpoint(ckpt, [f"data.eval_scale={scale}"])
-            row[f"R@1 at eval_scale {scale:g}"], row[f"MAP@R at eval_scale {scale:g}"] = m["recall_at_1"], m["map_at_r"]
+        for override in rescore:
+            m = evaluate_checkpoint(ckpt, [override])
+            row[f"R@1 with {override}"], row[f"MAP@R with {override}"] = m["recall_at_1"], m["map_at_r"]
     return row, time.perf_counter() - t0
 
 
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="skip the raw-pixel and frozen rows")
     ap.add_argument("--eval-scales", nargs="*", type=float, default=[], metavar="S",
                     help="also score each trained model at these data.eval_scale values (no retraining)")
+    ap.add_argument("--rescore", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="also score each trained model with each of these overrides, e.g. train.eval_precision=fp32")
     ap.add_argument("--eval-cost", type=int, default=0, metavar="EPOCHS",
                     help="instead of the table: per-epoch evaluation time against training time over this "
                          "many epochs, with and without the frozen-stage evaluation cache")
@@ -193,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = (False,) if args.no_ps else (True,) if args.only_ps else (False, True)
     recipes = args.recipes or [f"emoji_{loss}{'_ps' if ps else ''}" for ps in variants for loss in args.losses]
     for recipe in recipes:
-        row, seconds = train_one(recipe, overrides, args.eval_scales)
+        rescore = [*(f"data.eval_scale={s:g}" for s in args.eval_scales), *args.rescore]
+        row, seconds = train_one(recipe, overrides, rescore)
         rows[recipe] = {**row, "minutes": seconds / 60}
         _print({recipe: rows[recipe]}, header=False)
-        for key in (k for k in row if "eval_scale" in k):
+        for key in (k for k in row if " with " in k):
             print(f"  {key}: {row[key]:.4f}")
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")

@@ -119,8 +119,9 @@ def test_tiny_emoji_trains_and_retrieves_unseen_classes(tiny, tmp_path):
     # Cross-family report: a query's own design family (OpenMoji colour + black share line
     # art) is excluded from its gallery, so only other vendors' drawings count.
     ckpt = sorted((tmp_path / "run").glob("checkpoint_*"))[-1]
-    _, model, split = load_model(ckpt)
-    emb, labels = embed(model, split.test)
+    saved, model, split = load_model(ckpt)
+    assert saved.train.eval_precision == "bf16"  # the emoji recipes evaluate in bf16 where native
+    emb, labels = embed(model, split.test, saved.data.eval_batch_size, precision=saved.train.eval_precision)
     same = retrieval_metrics(emb, labels, recall_ks=(1,))
     assert same["recall_at_1"] == pytest.approx(metrics["recall_at_1"], abs=1e-6)
     cross = retrieval_metrics(emb, labels, recall_ks=(1,), exclude_same_group=(split.test_groups, None))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pipelines.config import load_config
+from pipelines.config import ConfigError, load_config
 from pipelines.data import build_datasets
 from pipelines.eval_cache import FrozenFeatureCache
+from pipelines.evaluate import embed, native_bf16
 from pipelines.models import EmbeddingModel
 from pipelines.train import evaluate
 
@@ -55,3 +57,35 @@ def test_a_set_too_large_for_the_budget_is_evaluated_without_the_cache(capsys):
     assert cache.too_large and not cache.batches
     assert "exceed data.eval_cache_mb" in capsys.readouterr().out
     assert small == evaluate(model, split, cfg, torch.device("cpu"), None)
+
+
+def test_bf16_evaluation_is_cached_to_the_bit_and_runs_in_bf16_where_native():
+    cfg, split, model = _setup("train.eval_precision=bf16")
+    cache = FrozenFeatureCache(2**30)
+    filled = evaluate(model, split, cfg, torch.device("cpu"), cache)
+    cached = evaluate(model, split, cfg, torch.device("cpu"), cache)
+    assert cache.hits == 1
+    assert filled == cached == evaluate(model, split, cfg, torch.device("cpu"), None)
+    ds = split.test
+    fp32, _ = embed(model, ds, 100)
+    bf16, _ = embed(model, ds, 100, precision="bf16")
+    if native_bf16("cpu"):  # AMX / AVX512-BF16: the forward really ran in bfloat16
+        assert not torch.equal(fp32, bf16)
+        assert torch.nn.functional.cosine_similarity(fp32, bf16).min() > 0.99  # bf16 keeps ~3 digits
+    else:  # no native bf16: fp32 (emulated bf16 would be slower than fp32)
+        assert torch.equal(fp32, bf16)
+
+
+def test_the_fp32_cache_is_not_served_to_a_bf16_evaluation():
+    cfg, split, model = _setup()
+    cache = FrozenFeatureCache(2**30)
+    evaluate(model, split, cfg, torch.device("cpu"), cache)
+    bf16 = load_config("digits", ["model.width=8", "model.frozen_stages=2", "data.eval_batch_size=100",
+                                  "train.eval_precision=bf16"])
+    evaluate(model, split, bf16, torch.device("cpu"), cache)
+    assert cache.hits == 0  # refilled: bf16 activations are not the fp32 ones
+
+
+def test_eval_precision_is_checked():
+    with pytest.raises(ConfigError, match="train.eval_precision"):
+        load_config("digits", ["train.eval_precision=fp16"])
