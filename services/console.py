@@ -25,8 +25,9 @@ from typing import IO
 # Known library chatter, matched anywhere in a line (Ray prefixes forwarded lines with the
 # actor's name and pid). Keep each pattern specific: a line that is not listed is shown.
 CHATTER = re.compile("|".join([
-    r"Loading faiss( with \w+ support)?\.",          # faiss.loader, per process
-    r"Could not load library with \w+ support due to",
+    # faiss.loader, per process; the level names a hyphen on Sapphire Rapids ("AVX512-SPR")
+    r"Loading faiss( with [\w-]+ support)?\.",
+    r"Could not load library with [\w-]+ support due to",
     r"No module named 'faiss\.swigfaiss_\w+'",
     r"Successfully loaded faiss",
     r"\bINFO mlflow[.\w]*:",                         # MLflow's INFO lines (db set-up, system metrics)

@@ -15,6 +15,10 @@ CHATTER_LINES = [
     "(RayTrainWorker pid=10670) Could not load library with AVX2 support due to:",
     "(RayTrainWorker pid=10670) ModuleNotFoundError(\"No module named 'faiss.swigfaiss_avx2'\")",
     "(RayTrainWorker pid=10670) Successfully loaded faiss.",
+    # a Sapphire Rapids CPU: faiss tries its AVX512-SPR build first
+    "\x1b[36m(RayTrainWorker pid=28555)\x1b[0m Loading faiss with AVX512-SPR support.",
+    "\x1b[36m(RayTrainWorker pid=28555)\x1b[0m Could not load library with AVX512-SPR support due to:",
+    "(RayTrainWorker pid=28555) ModuleNotFoundError(\"No module named 'faiss.swigfaiss_avx512_spr'\")",
     "2026/12/01 01:25:06 INFO mlflow.system_metrics.system_metrics_monitor: Started monitoring system metrics.",
     "2026/12/01 01:24:39 INFO mlflow.store.db.utils: Creating initial MLflow database tables...",
     "(TrainController pid=10531) [2026-12-01 01:25:02,138 E 10531 10571] core_worker.cc:2465: Actor with class "
