@@ -12,6 +12,7 @@ Only torch, numpy and faiss are imported, so this module can run inside any work
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["RANK_METRICS", "embed", "eval_autocast", "format_metrics", "native_bf16", "is_retrieval_metric", "metric_names", "retrieval_metrics"]
+__all__ = ["RANK_METRICS", "embed", "eval_autocast", "format_metrics", "is_retrieval_metric", "metric_names",
+           "native_bf16", "retrieval_metrics"]
 
 ArrayLike = torch.Tensor | np.ndarray
 
@@ -46,7 +48,11 @@ _KMEANS_NITER = 20
 def native_bf16(device: torch.device | str) -> bool:
     """Whether ``device`` computes bfloat16 natively: a CUDA GPU that supports it, or a CPU
     with AMX tiles or AVX512-BF16 (elsewhere bf16 is emulated and slower than fp32)."""
-    device = torch.device(device)
+    return _native_bf16(torch.device(device))
+
+
+@functools.cache  # hardware does not change: probe once per device, not per evaluation batch
+def _native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

@@ -116,6 +116,13 @@ def check_can_log(cfg: Config, uri: str) -> str:
     return exp_id
 
 
+def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Any | None:
+    """The MLflow run of ``cfg`` in experiment ``exp_id``, found by its ``ray_run_name`` tag
+    (the run name Ray resumes by), or None."""
+    found = client.search_runs([exp_id], filter_string=f"tags.ray_run_name = '{cfg.run_name()}'", max_results=1)
+    return found[0] if found else None
+
+
 def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """Find the run tagged with this run name or create it. Returns (run_id, resumed).
 
@@ -127,12 +134,10 @@ def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | N
     exp_id = check_can_log(cfg, uri)
     read, _, log = experiment_needs(cfg.experiment_name())
     with auth.guard(uri, read):
-        found = client.search_runs(
-            [exp_id], filter_string=f"tags.ray_run_name = '{cfg.run_name()}'", max_results=1
-        )
+        found = find_run(client, exp_id, cfg)
     with auth.guard(uri, log):
         if found:
-            run_id = found[0].info.run_id
+            run_id = found.info.run_id
             client.update_run(run_id, status="RUNNING")
             client.set_tag(run_id, "world_size", str(cfg.scaling.num_workers))
             return run_id, True

@@ -201,6 +201,8 @@ def run_final(config: str | Path, seed: int, args: argparse.Namespace, common: l
     """One seed on all seen classes, scored on the unseen half; metrics from its MLflow run."""
     from mlflow.tracking import MlflowClient
 
+    from services.mlflow_tracking import find_run
+
     # 2 workers as `make demo` runs them; scored once, after the last epoch.
     overrides = [*common, "data.val_classes=0", f"train.seed={seed}", "train.eval_every=1000", "scaling.num_workers=2"]
     cfg = load_config(config, overrides)
@@ -209,12 +211,11 @@ def run_final(config: str | Path, seed: int, args: argparse.Namespace, common: l
     seconds = time.perf_counter() - t0
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name(args.experiment)
-    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{cfg.run_name()}'",
-                              order_by=["attributes.end_time DESC"], max_results=1)
-    if not runs:
+    run = find_run(client, exp.experiment_id, cfg)
+    if run is None:
         raise SystemExit(f"no MLflow run {cfg.run_name()!r} in experiment {args.experiment!r}")
-    metrics = {name: runs[0].data.metrics[key] for name, key in METRICS.items()}
-    return {**metrics, "minutes": seconds / 60, "run_id": runs[0].info.run_id}
+    metrics = {name: run.data.metrics[key] for name, key in METRICS.items()}
+    return {**metrics, "minutes": seconds / 60, "run_id": run.info.run_id}
 
 
 # ----------------------------------------------------------------------------- report ----
