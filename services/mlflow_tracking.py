@@ -26,7 +26,7 @@ from typing import Any
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.entities import Metric, Param, Run, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from pipelines.config import Config, ConfigError  # noqa: E402
@@ -116,7 +116,7 @@ def check_can_log(cfg: Config, uri: str) -> str:
     return exp_id
 
 
-def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Any | None:
+def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Run | None:
     """The MLflow run of ``cfg`` in experiment ``exp_id``, found by its ``ray_run_name`` tag
     (the run name Ray resumes by), or None."""
     found = client.search_runs([exp_id], filter_string=f"tags.ray_run_name = '{cfg.run_name()}'", max_results=1)

@@ -13,6 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from services import training
+from services.mlflow_tracking import find_run
 from services.s3 import Credentials, s3_client
 from services.stack import Stack
 
@@ -107,10 +108,12 @@ def test_mlflow_outage_during_training_loses_nothing(ray_cluster, stack, tmp_pat
     worker = threading.Thread(target=train)
     worker.start()
     deadline = time.monotonic() + 120
-    while not client.search_runs(
-        [client.get_experiment_by_name("stack-e2e").experiment_id],
-        filter_string=f"tags.ray_run_name = '{cfg.run_name()}'",
-    ):
+
+    def opened() -> bool:  # the experiment too may not exist yet when this test runs alone
+        exp = client.get_experiment_by_name(cfg.experiment_name())
+        return exp is not None and find_run(client, exp.experiment_id, cfg) is not None
+
+    while not opened():
         assert time.monotonic() < deadline, "run never opened"
         time.sleep(0.2)
     stack.stop_service("mlflow")
