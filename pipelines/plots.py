@@ -473,10 +473,21 @@ def dashboard_rows(labels: Sequence[int], max_items: int) -> list[int]:
 
 
 def _embed_for_plots(
-    model: nn.Module | None, dataset: Dataset | None, device: torch.device | str, batch_size: int, max_items: int
+    model: nn.Module | None, dataset: Dataset | None, device: torch.device | str, batch_size: int, max_items: int,
+    embedded: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[list[int], Tensor, Tensor] | None:
-    """(dataset rows, embeddings (N, d), labels (N,)) for the retrieval grid and the map."""
-    if model is None or dataset is None or len(dataset) < 2:  # type: ignore[arg-type]
+    """(dataset rows, embeddings (N, d), labels (N,)) for the retrieval grid and the map.
+
+    ``embedded``: the whole dataset's embeddings (len, d) and labels (len,), in order, when the
+    caller has them (the train loop's last evaluation); the rows are taken from them.
+    """
+    if dataset is None or len(dataset) < 2:  # type: ignore[arg-type]
+        return None
+    if embedded is not None:
+        emb, labels = embedded
+        rows = dashboard_rows(labels.tolist(), max_items)
+        return rows, emb[rows], labels[rows]
+    if model is None:
         return None
     try:
         targets = getattr(dataset, "targets", None)
@@ -499,8 +510,12 @@ def write_plots(
     device: torch.device | str = "cpu",
     batch_size: int = 256,
     max_items: int = 4000,
+    embedded: tuple[Tensor, Tensor] | None = None,
 ) -> list[Path]:
     """Write every plot the inputs allow into ``folder``; returns the files written.
+
+    ``embedded``: ``dataset``'s embeddings (len, d) and labels (len,) in order, if already
+    computed; otherwise ``model`` embeds the plotted rows.
 
     Each plot is independent: one that fails is logged and skipped, so a plotting bug never
     costs a finished training run its other plots (tests call each plot function directly).
@@ -510,9 +525,9 @@ def write_plots(
     jobs: list[tuple[str, Callable[[], Path]]] = []
     if history:
         jobs.append((LEARNING_CURVES, lambda: plot_learning_curves(history, folder / LEARNING_CURVES)))
-    embedded = _embed_for_plots(model, dataset, device, batch_size, max_items)
-    if embedded is not None:
-        rows, emb, labels = embedded
+    picked = _embed_for_plots(model, dataset, device, batch_size, max_items, embedded)
+    if picked is not None:
+        rows, emb, labels = picked
         assert dataset is not None
         jobs.append((RETRIEVAL_GRID, lambda: plot_retrieval_grid(
             emb, labels, lambda i: dataset[rows[i]][0], folder / RETRIEVAL_GRID, names=class_names(dataset))))
@@ -540,6 +555,7 @@ def write_dashboard(
     isa_states: Sequence[Mapping[str, Any]] = (),
     device: torch.device | str = "cpu",
     batch_size: int = 256,
+    embedded: tuple[Tensor, Tensor] | None = None,
 ) -> list[str]:
     """Render the run's plots into a temporary folder and log them under ``plots/``.
 
@@ -547,13 +563,16 @@ def write_dashboard(
     dicts; ``model``: the (unwrapped) embedding model; ``dataset``: the evaluation set
     (unseen classes); ``loss_fn``: the loss module (its ``proxies`` (C, d); with class-sharded
     proxies the train loop passes rank 0's module, so this is rank 0's shard); ``isa_states``:
-    per-epoch :func:`isa_snapshot` dicts (Proxy-ISA only). Skipped (nothing rendered) when
-    the tracker is the NullTracker: nobody would see the files. Returns the file names logged.
+    per-epoch :func:`isa_snapshot` dicts (Proxy-ISA only); ``embedded``: ``dataset``'s
+    embeddings and labels from the last evaluation (see :func:`write_plots`). Skipped (nothing
+    rendered) when the tracker is the NullTracker: nobody would see the files. Returns the file
+    names logged.
     """
     if isinstance(tracker, NullTracker):
         return []
     with tempfile.TemporaryDirectory(prefix="proxydml-plots-") as tmp:
-        written = write_plots(tmp, history, model, dataset, loss_fn, isa_states, device, batch_size)
+        written = write_plots(tmp, history, model, dataset, loss_fn, isa_states, device, batch_size,
+                              embedded=embedded)
         if written:
             tracker.log_artifacts(Path(tmp), "plots")
         return [p.name for p in written]

@@ -113,15 +113,14 @@ def eval_positions(n: int, batch_size: int, rank: int, world: int) -> list[int]:
     return [i for start in chunks for i in range(start, min(start + batch_size, n))]
 
 
-def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
-             cache: FrozenFeatureCache | None = None) -> dict[str, float] | None:
-    """Each rank embeds its chunks of the evaluation set (:func:`eval_positions`); rank 0
-    computes the metrics.
+def embed_eval_set(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
+                   cache: FrozenFeatureCache | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each rank embeds its chunks of the evaluation set (:func:`eval_positions`); rank 0 gets
+    (N, d) float32 embeddings and (N,) labels of ``split.test`` in dataset order, other ranks None.
 
     Every rank holds the same model (DDP parameters; BatchNorm statistics synchronised or
-    averaged), so the embeddings are those of the checkpointed model. With a query/gallery
-    split (In-Shop) queries are searched in the gallery; otherwise every item queries all the
-    others. ``cache`` keeps the frozen stages' outputs across calls (same embeddings, to the bit).
+    averaged), so the embeddings are those of the checkpointed model. ``cache`` keeps the frozen
+    stages' outputs across calls (same embeddings, to the bit).
     """
     positions = eval_positions(len(split.test), cfg.data.eval_batch_size, D.rank(), D.world_size())
     emb, labels = embed_frozen_cached(D.unwrap(model), Subset(split.test, positions), cfg.data.eval_batch_size,
@@ -132,7 +131,15 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
         return None
     # Back to dataset order, whatever the number of ranks.
     perm = torch.argsort(order)
-    emb, labels = emb[perm], labels[perm]
+    return emb[perm], labels[perm]
+
+
+def score(split: DataSplit, emb: torch.Tensor, labels: torch.Tensor, cfg: Config) -> dict[str, float]:
+    """Retrieval metrics of ``split.test``'s embeddings (N, d) and labels (N,), dataset order.
+
+    With a query/gallery split (In-Shop) queries are searched in the gallery; otherwise every
+    item queries all the others.
+    """
     ks = tuple(cfg.train.recall_ks)
     if split.query_indices is not None and split.gallery_indices is not None:
         q, g = torch.tensor(split.query_indices), torch.tensor(split.gallery_indices)
@@ -146,6 +153,13 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
                                   exclude_same_group=(torch.as_tensor(split.test_groups), None))
         metrics.update({f"xgroup_{k}": v for k, v in cross.items()})
     return metrics
+
+
+def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
+             cache: FrozenFeatureCache | None = None) -> dict[str, float] | None:
+    """:func:`embed_eval_set` then :func:`score`: the metrics on rank 0, None elsewhere."""
+    embedded = embed_eval_set(model, split, cfg, dev, cache)
+    return None if embedded is None else score(split, *embedded, cfg)
 
 
 def _loss_param_indices(optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> dict[int, str]:
@@ -314,9 +328,10 @@ def run(
     # bf16 training on GPUs only: on CPUs, even with AMX, it measured slower than fp32 (README)
     use_bf16 = dev.type == "cuda" and native_bf16(dev)
     metrics: dict[str, float] = {}
-    isa_states: list[dict[str, Any]] = []
+    embedded: tuple[torch.Tensor, torch.Tensor] | None = None  # the last evaluation's (rank 0)
+    isa_states: list[dict[str, Any]] = []  # Proxy-ISA state per epoch, for the dashboard (rank 0)
     # The frozen stages' outputs for this rank's evaluation chunks, computed once per run.
-    eval_cache = FrozenFeatureCache(cfg.data.eval_cache_mb * 2**20)  # Proxy-ISA state per epoch, for the dashboard (rank 0)
+    eval_cache = FrozenFeatureCache(cfg.data.eval_cache_mb * 2**20)
 
     for epoch in range(start_epoch, cfg.train.epochs):
         t0 = time.perf_counter()
@@ -365,7 +380,8 @@ def run(
         last = epoch + 1 == cfg.train.epochs
         evaluated, t_eval = None, time.perf_counter()
         if last or (epoch + 1) % cfg.train.eval_every == 0:
-            evaluated = evaluate(ddp_model, split, cfg, dev, eval_cache)
+            embedded = embed_eval_set(ddp_model, split, cfg, dev, eval_cache)
+            evaluated = None if embedded is None else score(split, *embedded, cfg)
         metrics = {
             "epoch": epoch + 1,
             "loss": total / max(steps, 1),
@@ -391,7 +407,10 @@ def run(
     if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
         # The proxy-similarity heatmap and the ISA state show rank 0's shard of the classes
         # (its ``proxies`` and per-class buffers): all classes with one worker.
-        write_dashboard(tracker, history, model, split.test, loss_fn, isa_states, dev, cfg.data.eval_batch_size)
+        # The last epoch is always evaluated: its embeddings are the dashboard's (embedding the
+        # unseen set again on rank 0 alone, in fp32 and uncached, was 90 s of a 430 s demo).
+        write_dashboard(tracker, history, model, split.test, loss_fn, isa_states, dev, cfg.data.eval_batch_size,
+                        embedded=embedded)
     return metrics if rank == 0 else {}
 
 

@@ -212,6 +212,26 @@ def test_write_dashboard_logs_every_plot_under_plots(tmp_path, toy):
     assert plots.write_dashboard(NullTracker(), history, model, ds, loss, states) == []
 
 
+class RefusesToRun(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the model must not run: the embeddings were given")
+
+
+def test_given_embeddings_replace_the_models_pass(tmp_path, toy):
+    """The train loop hands over its last evaluation: the same rows, no second forward pass."""
+    emb, labels, ds = toy
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 20 * 20, D))
+    rows, by_model, by_model_labels = plots._embed_for_plots(model, ds, "cpu", 32, max_items=40)
+    full = torch.cat([model(ds[i][0][None]) for i in range(len(ds))]).detach()
+    given = plots._embed_for_plots(RefusesToRun(), ds, "cpu", 32, max_items=40, embedded=(full, labels))
+    assert given is not None and given[0] == rows and len(rows) <= 40
+    torch.testing.assert_close(given[1], by_model, rtol=1e-5, atol=1e-6)
+    assert torch.equal(given[2], by_model_labels)
+    written = plots.write_plots(tmp_path, [{"loss": 1.0}], RefusesToRun(), ds, embedded=(emb, labels))
+    assert {p.name for p in written} == {plots.LEARNING_CURVES, plots.RETRIEVAL_GRID, plots.EMBEDDING_MAP}
+    assert_real_png(tmp_path / plots.EMBEDDING_MAP, 300, 200)
+
+
 def test_a_failing_plot_skips_only_itself(tmp_path, toy, monkeypatch, caplog):
     _, _, ds = toy
 
