@@ -188,6 +188,12 @@ def test_long_emoji_recipe_is_the_short_one_with_three_changes():
     assert load_config("emoji_proxy_nca_pp_long") == short
 
 
+def test_demo_emoji_recipe_is_the_short_one_with_two_changes():
+    # The README's time-to-accuracy rows must stay what the short recipe plus its levers gives.
+    short = load_config("emoji_proxy_nca_pp", ["train.epochs=12", "data.batch_size=32"])
+    assert load_config("emoji_proxy_nca_pp_demo") == short
+
+
 @pytest.mark.parametrize(("cores", "workers", "sweep", "expected"), [
     (2, 1, False, 2.0),   # one worker on two cores trains with both
     (2, 2, False, 1.0),
