@@ -138,7 +138,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
                               search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
                               address=args.address, grace_period=args.grace,
-                              reduction_factor=args.reduction_factor)
+                              reduction_factor=args.reduction_factor, include_base=args.include_base)
         print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
         for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
@@ -353,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--grace", type=int, default=1, help="ASHA: epochs every trial runs before a cut (default 1)")
     tu.add_argument("--reduction-factor", type=int, default=2,
                     help="ASHA: 1/N of the trials at a rung go on to the next (default 2)")
+    tu.add_argument("--include-base", action="store_true",
+                    help="the first trial runs the recipe's own values of the searched keys")
     tu.add_argument("--address", default=None, help="Ray cluster address (default: local)")
     tu.add_argument("overrides", nargs="*", help="dotted key=value overrides of the base config")
     tu.set_defaults(func=_cmd_tune)

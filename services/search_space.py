@@ -28,6 +28,7 @@ import yaml
 
 from pipelines.config import CONFIG_DIR, Config, ConfigError, find_yaml, from_dict, merge
 from pipelines.evaluate import is_retrieval_metric
+from proxies.registry import loss_parameters
 
 DOMAINS = ("loguniform", "uniform", "choice", "randint", "grid")
 SEARCH_DIR = CONFIG_DIR / "search"
@@ -133,8 +134,10 @@ def load_sweep(
     base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
     max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
     grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
+    include_base: bool = False,
 ) -> SweepSpec:
-    """Build and check a sweep before anything starts."""
+    """Build and check a sweep before anything starts. ``include_base``: the base config's own
+    values of the searched keys (the recipe's, e.g. the paper's defaults) are the first trial."""
     path = resolve_space_file(space)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -180,6 +183,13 @@ def load_sweep(
     if reduction_factor < 2:
         raise ConfigError(f"ASHA reduction factor must be >= 2, got {reduction_factor}")
     points = list(points or [])
+    if include_base:
+        # Optuna's first 10 trials are random samples: with a handful of trials the recipe's
+        # own point might never be tried, and the sweep could "tune" below its starting recipe.
+        # An unset loss key (None) means the loss's own default: that is the value it trains with.
+        flat = base.flat()
+        flat |= {f"loss.{k}": v for k, v in loss_parameters(base.loss.name).items() if flat.get(f"loss.{k}") is None}
+        points.insert(0, {d.key: flat[d.key] for d in dims})
     if points and search == "grid":
         raise ConfigError("preset points need --search random or optuna (a grid fixes every trial itself)")
     if len(points) > samples:

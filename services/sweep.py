@@ -180,6 +180,7 @@ def run_sweep(
     base: Config, space: str | Path, *, samples: int = 8, scheduler: str = "asha", search: str = "optuna",
     max_concurrent: int | None = None, metric: str = "map_at_r", address: str | None = None,
     grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
+    include_base: bool = False,
 ) -> SweepOutcome:
     """Validate, open (or reopen) the parent run, run the Tuner, log the report."""
     # Imported here for start-up time: Ray (runtime, training) takes seconds to import, and
@@ -195,7 +196,7 @@ def run_sweep(
     # Schema and domain errors first, before a cluster is even started.
     load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                max_concurrent=None, cluster_cpus=math.inf, metric=metric, grace_period=grace_period,
-               reduction_factor=reduction_factor, points=points)
+               reduction_factor=reduction_factor, points=points, include_base=include_base)
     mt.check_can_log(base, mt.resolve_tracking_uri(base.tracking.tracking_uri))  # before Ray: a refused login
     runtime.ensure_ray(address)
     uri = mt.resolve_tracking_uri(base.tracking.tracking_uri)
@@ -203,7 +204,8 @@ def run_sweep(
     require_shared_state(base, uri, runtime.alive_nodes())
     spec = load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                       max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric,
-                      grace_period=grace_period, reduction_factor=reduction_factor, points=points)
+                      grace_period=grace_period, reduction_factor=reduction_factor, points=points,
+                      include_base=include_base)
     parent_id, resumed = open_parent_run(spec, uri, space_file)
     status = "FAILED"
     try:

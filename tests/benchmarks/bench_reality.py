@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,14 +59,33 @@ PROXYDML = [str(Path(sys.executable).with_name("proxydml"))]  # the console scri
 METRICS = {"R@1": "recall_at_1", "MAP@R": "map_at_r", "cross-family R@1": "xgroup_recall_at_1"}
 
 
+# Cost model for the budget printed up front, measured on 2 cores (README, emoji benchmark):
+# seconds per training image and epoch at 128 px with 4 stages frozen and with every layer
+# trained at 64 px, per evaluation image at 160 px, and what every `proxydml` command pays to
+# start Ray and its workers.
+S_PER_TRAIN_IMAGE = 52.0 / 3965
+S_PER_TRAIN_IMAGE_FULL64 = 21.0 / 3965
+S_PER_EVAL_IMAGE = 40.0 / 3965
+S_START = 30.0
+SEEN_IMAGES = TEST_IMAGES = 793 * 5  # the emoji benchmark's seen and unseen halves
+
+
 @dataclass(frozen=True)
 class Method:
     key: str  # part name and table row
     label: str
     recipe: str
     space: str | None  # search space under configs/search; None: a fixed set-up, not tuned
+    overrides: tuple[str, ...] = ()  # on top of the recipe, in the sweep (and so in its best config)
+    s_per_train_image: float = S_PER_TRAIN_IMAGE  # the cost model's price of the recipe's epoch
 
 
+# The Proxy-Anchor family on the peer's own set-up (every layer trained at 64 px, flips,
+# GAP+GMP, constant lr, 12 epochs): the 128 px recipe with 4 frozen stages suits ProxyNCA++
+# but left Proxy-Anchor 0.04 R@1 behind the peer that trains every layer (README).
+PEER = "emoji_peer_proxy_anchor"
+ISA_ON_PEER = ("loss.name=proxy_isa", "loss.memory_size=2048", "loss.memory_start_epoch=2")
+PS_ON_PEER = ("synthesis.enabled=true", "synthesis.alpha=0.4", "synthesis.mu=1.0")
 METHODS = (
     Method("proxy_nca_pp", "ProxyNCA++", "emoji_proxy_nca_pp", "reality_proxy_nca_pp"),
     Method("proxy_nca", "ProxyNCA", "emoji_proxy_nca", "reality_proxy_nca"),
@@ -74,7 +93,13 @@ METHODS = (
     Method("proxy_isa", "Proxy-ISA", "emoji_proxy_isa", "reality_proxy_isa"),
     Method("ps_proxy_nca_pp", "PS + ProxyNCA++", "emoji_proxy_nca_pp_ps", "reality_ps_proxy_nca_pp"),
     Method("ps_proxy_anchor", "PS + Proxy-Anchor", "emoji_proxy_anchor_ps", "reality_ps_proxy_anchor"),
-    Method("peer", "plain peer set-up (untuned)", "emoji_peer_proxy_anchor", None),
+    Method("peer", "plain peer set-up (untuned)", PEER, None, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
+    Method("proxy_anchor_full", "Proxy-Anchor, all layers 64 px", PEER, "reality_full_proxy_anchor",
+           s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
+    Method("proxy_isa_full", "Proxy-ISA, all layers 64 px", PEER, "reality_full_proxy_isa", ISA_ON_PEER,
+           s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
+    Method("ps_proxy_anchor_full", "PS + Proxy-Anchor, all layers 64 px", PEER, "reality_full_ps_proxy_anchor",
+           PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -83,16 +108,10 @@ CLAIMS = (
     ("PS + ProxyNCA++ > ProxyNCA++", "ps_proxy_nca_pp", "proxy_nca_pp", True),
     ("PS + Proxy-Anchor > Proxy-Anchor", "ps_proxy_anchor", "proxy_anchor", True),
     ("Proxy-ISA >= Proxy-Anchor", "proxy_isa", "proxy_anchor", False),
+    ("PS + Proxy-Anchor > Proxy-Anchor, all layers 64 px", "ps_proxy_anchor_full", "proxy_anchor_full", True),
+    ("Proxy-ISA >= Proxy-Anchor, all layers 64 px", "proxy_isa_full", "proxy_anchor_full", False),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )
-
-# Cost model for the budget printed up front, measured on 2 cores (README, emoji benchmark):
-# seconds per training image and epoch at 128 px with 4 stages frozen, per evaluation image at
-# 160 px, and what every `proxydml` command pays to start Ray and its workers.
-S_PER_TRAIN_IMAGE = 52.0 / 3965
-S_PER_EVAL_IMAGE = 40.0 / 3965
-S_START = 30.0
-SEEN_IMAGES = TEST_IMAGES = 793 * 5  # the emoji benchmark's seen and unseen halves
 
 
 def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> float:
@@ -106,22 +125,23 @@ def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> fl
     return total
 
 
-def estimate_s(trials: int, seeds: int, epochs: int, train_images: int, val_images: int, test_images: int,
-               methods: Sequence[Method], epoch_cap: int = 0) -> dict[str, float]:
-    """Wall seconds per part on 2 cores (each part uses both); ``epoch_cap``: images per
-    epoch at most (``train.max_steps_per_epoch`` x batch), 0 for full passes."""
-    def per_epoch(images: int) -> float:
-        return (min(images, epoch_cap) if epoch_cap else images) * S_PER_TRAIN_IMAGE
+def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images: int, val_images: int,
+               test_images: int, methods: Sequence[Method], epoch_cap: int = 0) -> dict[str, float]:
+    """Wall seconds per part on 2 cores (each part uses both); ``epochs``: each method's
+    ``train.epochs``; ``epoch_cap``: images per epoch at most (``train.max_steps_per_epoch`` x
+    batch), 0 for full passes."""
+    def images(n: int) -> int:
+        return min(n, epoch_cap) if epoch_cap else n
 
-    sweep_train = per_epoch(train_images - val_images)
-    final = S_START + epochs * per_epoch(train_images) + test_images * S_PER_EVAL_IMAGE
     out = {}
     for m in methods:
+        final = S_START + epochs[m.key] * images(train_images) * m.s_per_train_image + test_images * S_PER_EVAL_IMAGE
         s = seeds * final
         if m.space:
-            spent = asha_epochs(trials, epochs)
+            spent = asha_epochs(trials, epochs[m.key])
             # Two trials at once on the 2 cores: each trial's start-up overlaps the other's work.
-            s += spent * (sweep_train + val_images * S_PER_EVAL_IMAGE) + trials * S_START / 2 + S_START
+            s += spent * (images(train_images - val_images) * m.s_per_train_image + val_images * S_PER_EVAL_IMAGE)
+            s += trials * S_START / 2 + S_START
         out[m.key] = s
     return out
 
@@ -185,6 +205,8 @@ def run_sweep(m: Method, part: dict[str, Any], args: argparse.Namespace, common:
                         "--scheduler", "asha", "--search", "optuna", "--grace", "1", "--reduction-factor", "2",
                         # one worker per trial: two trials at once share the 2 cores, which is
                         # what asynchronous ASHA needs to compare them early
+                        # the recipe's own point is one of the trials: a sweep never ends below its recipe
+                        "--include-base", *m.overrides,
                         *common, f"data.val_classes={args.val_classes}", "scaling.num_workers=1"], env)
         name = sweep_name(out)
         part["sweep"] = name
@@ -304,17 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     state = State(folder / "state.json")
 
     if not args.report_only:
-        cfg = load_config("emoji_proxy_nca_pp", common)
-        epochs, cap = cfg.train.epochs, cfg.train.max_steps_per_epoch * cfg.data.batch_size
+        cfgs = {m.key: load_config(m.recipe, [*m.overrides, *common]) for m in methods}
+        epochs = {k: c.train.epochs for k, c in cfgs.items()}
+        cap = max(c.train.max_steps_per_epoch * c.data.batch_size for c in cfgs.values())
         est = estimate_s(args.trials, args.seeds, epochs, SEEN_IMAGES, 5 * args.val_classes, TEST_IMAGES, methods,
                          epoch_cap=cap)
         total = sum(est.values())
-        print(f"reality check: {len(methods)} part(s), {args.trials} trials per sweep (ASHA, about "
-              f"{asha_epochs(args.trials, epochs):.1f} epochs per sweep), {args.seeds} seeds per method; "
+        print(f"reality check: {len(methods)} part(s), {args.trials} trials per sweep (ASHA), "
+              f"{args.seeds} seeds per method; "
               f"budget about {2 * total / 3600:.1f} CPU-hours = {total / 3600:.1f} h of wall time on 2 cores", flush=True)
         for m in methods:
-            print(f"  part {m.key:16s} ~{est[m.key] / 60:4.0f} min  ({m.recipe}"
-                  f"{', sweep ' + m.space if m.space else ', untuned'})", flush=True)
+            tuned = (f"sweep {m.space} (ASHA, about {asha_epochs(args.trials, epochs[m.key]):.1f} epochs)"
+                     if m.space else "untuned")
+            print(f"  part {m.key:20s} ~{est[m.key] / 60:4.0f} min  ({' '.join([m.recipe, *m.overrides])}, "
+                  f"{epochs[m.key]} epochs, {tuned})", flush=True)
         for m in methods:
             part = state.part(m.key)
             t0 = time.perf_counter()

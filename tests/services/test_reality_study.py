@@ -23,17 +23,34 @@ _spec.loader.exec_module(study)
 
 @pytest.mark.parametrize("method", [m for m in study.METHODS if m.space], ids=lambda m: m.key)
 def test_each_method_space_validates_against_its_recipe(method):
-    base = load_config(method.recipe)
+    base = load_config(method.recipe, list(method.overrides))
     spec = sweep.load_sweep(base, method.space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
-                            cluster_cpus=64)
+                            cluster_cpus=64, include_base=True)
     keys = {d.key for d in spec.space}
     assert "optim.lr" in keys  # the papers' knobs plus the learning rate
     own = {"proxy_nca_pp": {"loss.temperature"}, "proxy_nca": set(), "proxy_anchor": {"loss.alpha", "loss.delta"},
            "proxy_isa": {"loss.V", "loss.tau", "loss.h", "loss.k"},
            "ps_proxy_nca_pp": {"synthesis.alpha", "synthesis.mu"},
-           "ps_proxy_anchor": {"synthesis.alpha", "synthesis.mu"}}[method.key]
+           "ps_proxy_anchor": {"synthesis.alpha", "synthesis.mu"}}[method.key.removesuffix("_full")]
     assert keys == own | {"optim.lr"}
     assert base.synthesis.enabled == method.key.startswith("ps_")
+    assert base.loss.name == method.key.removeprefix("ps_").removesuffix("_full")
+    # the recipe's own point is trial 0, and it lies inside the space (load_sweep checks it)
+    assert spec.points[0]["optim.lr"] == base.optim.lr
+
+
+@pytest.mark.parametrize("method", [m for m in study.METHODS if m.key.endswith("_full")], ids=lambda m: m.key)
+def test_full_parts_are_the_peer_set_up_with_only_the_methods_loss_changed(method):
+    peer = load_config(study.BY_KEY["peer"].recipe).flat()
+    cfg = load_config(method.recipe, list(method.overrides)).flat()
+    changed = {k for k in cfg if cfg[k] != peer[k]}
+    assert changed <= {"loss.name", "loss.memory_size", "loss.memory_start_epoch", "synthesis.enabled",
+                       "synthesis.alpha", "synthesis.mu"}
+    # at most 1.5e-4: the 128 px sweep's 2.76e-4 diverged on all seen classes (README)
+    space = {d.key: d for d in sweep.load_sweep(load_config(method.recipe, list(method.overrides)), method.space,
+                                                samples=4, scheduler="asha", search="optuna", max_concurrent=None,
+                                                cluster_cpus=64).space}
+    assert max(space["optim.lr"].values) == 1.5e-4
 
 
 def test_every_space_file_of_the_study_belongs_to_a_method():
@@ -60,19 +77,26 @@ def test_asha_epochs(trials, epochs, expected):
     assert study.asha_epochs(trials, epochs) == pytest.approx(expected)
 
 
+def _epochs(n: int) -> dict[str, int]:
+    return {m.key: n for m in study.METHODS}
+
+
 def test_budget_grows_with_trials_and_seeds_and_peer_has_no_sweep():
     args = (3965, 1500, 3965, study.METHODS)
-    small, more_trials, more_seeds = (study.estimate_s(t, s, 5, *args) for t, s in ((2, 3), (8, 3), (2, 4)))
+    small, more_trials, more_seeds = (study.estimate_s(t, s, _epochs(5), *args) for t, s in ((2, 3), (8, 3), (2, 4)))
     assert more_trials["proxy_nca_pp"] > small["proxy_nca_pp"] and more_trials["peer"] == small["peer"]
     assert more_seeds["peer"] == pytest.approx(small["peer"] * 4 / 3)
     assert small["proxy_nca_pp"] > small["peer"]
+    # each method is priced at its own epochs and its own cost per image
+    longer = study.estimate_s(2, 3, {**_epochs(5), "peer": 12}, *args)
+    assert longer["peer"] - small["peer"] == pytest.approx(3 * 7 * 3965 * study.S_PER_TRAIN_IMAGE_FULL64)
 
 
 def test_capped_epochs_cost_less_and_eval_cost_stays():
     args = (3965, 1500, 3965, study.METHODS)
-    full, capped = study.estimate_s(2, 1, 2, *args), study.estimate_s(2, 1, 2, *args, epoch_cap=192)
+    full, capped = study.estimate_s(2, 1, _epochs(2), *args), study.estimate_s(2, 1, _epochs(2), *args, epoch_cap=192)
     # the peer row (no sweep): only its 2 training epochs shrink, from 3965 to 192 images each
-    assert full["peer"] - capped["peer"] == pytest.approx(2 * (3965 - 192) * study.S_PER_TRAIN_IMAGE)
+    assert full["peer"] - capped["peer"] == pytest.approx(2 * (3965 - 192) * study.S_PER_TRAIN_IMAGE_FULL64)
     assert capped["peer"] > study.S_START + 3965 * study.S_PER_EVAL_IMAGE
 
 

@@ -71,3 +71,30 @@ def test_shipped_spaces_validate(space):
     spec = sweep.load_sweep(base, space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
                             cluster_cpus=64)
     assert spec.space and spec.name().startswith("sweep-")
+
+
+def test_include_base_runs_the_recipes_own_point_first_with_the_losses_defaults_resolved():
+    base = load_config("emoji_proxy_isa")  # sets alpha, delta and lr; leaves V, tau, h, k to the loss
+    ok = dict(samples=4, scheduler="asha", search="optuna", max_concurrent=None, cluster_cpus=4)
+    plain = sweep.load_sweep(base, "reality_proxy_isa", **ok)
+    spec = sweep.load_sweep(base, "reality_proxy_isa", include_base=True, points=[{"optim.lr": 3e-5}], **ok)
+    # the authors' defaults, as the loss's constructor has them (None in the config means those)
+    assert spec.points == ({"loss.V": 100.0, "loss.tau": 1.5, "loss.h": 0.15, "loss.k": 0.9, "optim.lr": 1e-4},
+                           {"optim.lr": 3e-5})
+    assert plain.points == () and plain.name() != spec.name()  # a different sweep, not a resume of the other
+
+
+def test_cli_include_base_reaches_the_sweep(capsys, tmp_path, monkeypatch):
+    from services import cli
+
+    seen = {}
+
+    def stop(base, space, **kwargs):  # records what the CLI asked for, then refuses like a bad space
+        seen.update(kwargs)
+        raise ConfigError("stopped before any trial")
+
+    monkeypatch.setattr(sweep, "run_sweep", stop)
+    argv = ["tune", "--space", "digits_quick", "--samples", "2", f"tracking.storage_path={tmp_path / 'runs'}"]
+    assert cli.main([*argv, "--include-base"]) == 2 and seen["include_base"] is True
+    assert cli.main(argv) == 2 and seen["include_base"] is False
+    assert capsys.readouterr().err.count("stopped before any trial") == 2
