@@ -80,10 +80,11 @@ class Method:
     s_per_train_image: float = S_PER_TRAIN_IMAGE  # the cost model's price of the recipe's epoch
 
 
-# The Proxy-Anchor family on the peer's own set-up (every layer trained at 64 px, flips,
-# GAP+GMP, constant lr, 12 epochs): the 128 px recipe with 4 frozen stages suits ProxyNCA++
-# but left Proxy-Anchor 0.04 R@1 behind the peer that trains every layer (README).
+# The losses that trailed the peer, on the peer's own set-up (every layer trained at 64 px,
+# flips, GAP+GMP, constant lr, 12 epochs): the 128 px recipe with 4 frozen stages suits
+# ProxyNCA++ but left Proxy-Anchor 0.04 R@1 behind the peer that trains every layer (README).
 PEER = "emoji_peer_proxy_anchor"
+NCA_ON_PEER = ("loss.name=proxy_nca", "loss.alpha=null", "loss.delta=null")
 ISA_ON_PEER = ("loss.name=proxy_isa", "loss.memory_size=2048", "loss.memory_start_epoch=2")
 PS_ON_PEER = ("synthesis.enabled=true", "synthesis.alpha=0.4", "synthesis.mu=1.0")
 METHODS = (
@@ -94,6 +95,8 @@ METHODS = (
     Method("ps_proxy_nca_pp", "PS + ProxyNCA++", "emoji_proxy_nca_pp_ps", "reality_ps_proxy_nca_pp"),
     Method("ps_proxy_anchor", "PS + Proxy-Anchor", "emoji_proxy_anchor_ps", "reality_ps_proxy_anchor"),
     Method("peer", "plain peer set-up (untuned)", PEER, None, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
+    Method("proxy_nca_full", "ProxyNCA, all layers 64 px", PEER, "reality_full_proxy_nca", NCA_ON_PEER,
+           s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
     Method("proxy_anchor_full", "Proxy-Anchor, all layers 64 px", PEER, "reality_full_proxy_anchor",
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
     Method("proxy_isa_full", "Proxy-ISA, all layers 64 px", PEER, "reality_full_proxy_isa", ISA_ON_PEER,

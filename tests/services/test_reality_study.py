@@ -44,9 +44,11 @@ def test_full_parts_are_the_peer_set_up_with_only_the_methods_loss_changed(metho
     peer = load_config(study.BY_KEY["peer"].recipe).flat()
     cfg = load_config(method.recipe, list(method.overrides)).flat()
     changed = {k for k in cfg if cfg[k] != peer[k]}
-    assert changed <= {"loss.name", "loss.memory_size", "loss.memory_start_epoch", "synthesis.enabled",
-                       "synthesis.alpha", "synthesis.mu"}
-    # at most 1.5e-4: the 128 px sweep's 2.76e-4 diverged on all seen classes (README)
+    assert changed <= {"loss.name", "loss.alpha", "loss.delta", "loss.memory_size", "loss.memory_start_epoch",
+                       "synthesis.enabled", "synthesis.alpha", "synthesis.mu"}
+    if cfg["loss.name"] == "proxy_nca":
+        return
+    # the Proxy-Anchor family at most 1.5e-4: the 128 px sweep's 2.76e-4 diverged on all seen classes (README)
     space = {d.key: d for d in sweep.load_sweep(load_config(method.recipe, list(method.overrides)), method.space,
                                                 samples=4, scheduler="asha", search="optuna", max_concurrent=None,
                                                 cluster_cpus=64).space}
