@@ -14,7 +14,9 @@ Reality Check" (2020), on the emoji benchmark:
    within the spread, or fails beyond it.
 
 The plain peer set-up (``emoji_peer_proxy_anchor``: all layers at 64 px, flips) is trained
-the same way, untuned, as the baseline row. Every sweep (parent and trial runs) and every
+the same way, untuned, as the baseline row. The losses that trailed it on the 128 px
+recipes are also tuned on the peer's own set-up (the ``*_full`` parts: only the loss
+changes). Every sweep runs the recipe's own point as its first trial (``--include-base``). Every sweep (parent and trial runs) and every
 final run lands in one MLflow experiment (``--experiment``); at the end ``proxydml report``
 renders it and logs the page, with the study's table, to the experiment's report run.
 
