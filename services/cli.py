@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--search", default="optuna", help="optuna | random | grid (default optuna)")
     tu.add_argument("--max-concurrent", type=int, default=None, help="default: what the cluster holds")
     tu.add_argument("--metric", default="map_at_r", help="metric to maximise (default map_at_r)")
-    tu.add_argument("--grace", type=int, default=1, help="ASHA: epochs every trial runs before a cut (default 1)")
+    tu.add_argument("--grace", type=int, default=None,
+                    help="ASHA: epochs every trial runs before a cut (default: the first after optim.warmup_epochs)")
     tu.add_argument("--reduction-factor", type=int, default=2,
                     help="ASHA: 1/N of the trials at a rung go on to the next (default 2)")
     tu.add_argument("--include-base", action="store_true",

@@ -76,6 +76,11 @@ class SweepSpec:
         return f"sweep-{self.base.data.name}-{self.base.loss.name}-{hashlib.sha256(blob).hexdigest()[:8]}"
 
 
+def default_grace(base: Config) -> int:
+    """ASHA's first rung when none is given: the first epoch after the warm-up."""
+    return min(base.optim.warmup_epochs + 1, base.train.epochs)
+
+
 def resolve_space_file(space: str | Path) -> Path:
     return find_yaml(space, SEARCH_DIR, "search space", "shipped spaces")
 
@@ -133,11 +138,12 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> list[Dimension
 def load_sweep(
     base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
     max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
-    grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
+    grace_period: int | None = None, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
     include_base: bool = False,
 ) -> SweepSpec:
     """Build and check a sweep before anything starts. ``include_base``: the base config's own
-    values of the searched keys (the recipe's, e.g. the paper's defaults) are the first trial."""
+    values of the searched keys (the recipe's, e.g. the paper's defaults) are the first trial.
+    ``grace_period`` None: the first epoch after the warm-up (``optim.warmup_epochs``)."""
     path = resolve_space_file(space)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -178,8 +184,18 @@ def load_sweep(
     if base.train.eval_every != 1:
         raise ConfigError(f"train.eval_every must be 1 in a sweep (got {base.train.eval_every}): the scheduler "
                           f"compares trials on every epoch's {metric}")
+    warmup = base.optim.warmup_epochs
+    if grace_period is None:
+        grace_period = default_grace(base)
     if grace_period < 1 or grace_period > base.train.epochs:
         raise ConfigError(f"ASHA grace period must be in [1, train.epochs={base.train.epochs}], got {grace_period}")
+    # In the warm-up only the head and proxies train: a rung there ranks trials before the
+    # backbone's learning rate has acted (measured: such rung scores sat within 0.004 MAP@R
+    # and cut the recipe's own point, README reality check).
+    if scheduler == "asha" and grace_period <= warmup < base.train.epochs:
+        raise ConfigError(f"ASHA grace period {grace_period} ends inside the warm-up (optim.warmup_epochs={warmup}): "
+                          f"its rung would rank trials on epochs where only the head and proxies train; use "
+                          f"--grace {warmup + 1} or more (the default is {warmup + 1})")
     if reduction_factor < 2:
         raise ConfigError(f"ASHA reduction factor must be >= 2, got {reduction_factor}")
     points = list(points or [])

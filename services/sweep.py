@@ -179,7 +179,7 @@ class SweepOutcome:
 def run_sweep(
     base: Config, space: str | Path, *, samples: int = 8, scheduler: str = "asha", search: str = "optuna",
     max_concurrent: int | None = None, metric: str = "map_at_r", address: str | None = None,
-    grace_period: int = 1, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
+    grace_period: int | None = None, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
     include_base: bool = False,
 ) -> SweepOutcome:
     """Validate, open (or reopen) the parent run, run the Tuner, log the report."""

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data.emoji import ensure_built  # noqa: E402
-from services.search_space import parse_space, resolve_space_file  # noqa: E402
+from services.search_space import default_grace, parse_space, resolve_space_file  # noqa: E402
 
 PROXYDML = [str(Path(sys.executable).with_name("proxydml"))]  # the console script next to this Python
 METRICS = {"R@1": "recall_at_1", "MAP@R": "map_at_r", "cross-family R@1": "xgroup_recall_at_1"}
@@ -131,7 +131,8 @@ def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> fl
 
 
 def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images: int, val_images: int,
-               test_images: int, methods: Sequence[Method], epoch_cap: int = 0) -> dict[str, float]:
+               test_images: int, methods: Sequence[Method], epoch_cap: int = 0,
+               grace: Mapping[str, int] | None = None) -> dict[str, float]:
     """Wall seconds per part on 2 cores (each part uses both); ``epochs``: each method's
     ``train.epochs``; ``epoch_cap``: images per epoch at most (``train.max_steps_per_epoch`` x
     batch), 0 for full passes."""
@@ -143,7 +144,7 @@ def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images:
         final = S_START + epochs[m.key] * images(train_images) * m.s_per_train_image + test_images * S_PER_EVAL_IMAGE
         s = seeds * final
         if m.space:
-            spent = asha_epochs(trials, epochs[m.key])
+            spent = asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
             # Two trials at once on the 2 cores: each trial's start-up overlaps the other's work.
             s += spent * (images(train_images - val_images) * m.s_per_train_image + val_images * S_PER_EVAL_IMAGE)
             s += trials * S_START / 2 + S_START
@@ -207,7 +208,8 @@ def run_sweep(m: Method, part: dict[str, Any], args: argparse.Namespace, common:
     best = folder / "best.yaml"
     if "best_yaml" not in part:
         out = proxydml(["tune", "--config", m.recipe, "--space", m.space or "", "--samples", str(args.trials),
-                        "--scheduler", "asha", "--search", "optuna", "--grace", "1", "--reduction-factor", "2",
+                        # ASHA's first rung: the first epoch after the warm-up (proxydml tune's default)
+                        "--scheduler", "asha", "--search", "optuna", "--reduction-factor", "2",
                         # one worker per trial: two trials at once share the 2 cores, which is
                         # what asynchronous ASHA needs to compare them early
                         # the recipe's own point is one of the trials: a sweep never ends below its recipe
@@ -333,15 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         cfgs = {m.key: load_config(m.recipe, [*m.overrides, *common]) for m in methods}
         epochs = {k: c.train.epochs for k, c in cfgs.items()}
+        grace = {k: default_grace(c) for k, c in cfgs.items()}  # as `proxydml tune` picks it
         cap = max(c.train.max_steps_per_epoch * c.data.batch_size for c in cfgs.values())
         est = estimate_s(args.trials, args.seeds, epochs, SEEN_IMAGES, 5 * args.val_classes, TEST_IMAGES, methods,
-                         epoch_cap=cap)
+                         epoch_cap=cap, grace=grace)
         total = sum(est.values())
         print(f"reality check: {len(methods)} part(s), {args.trials} trials per sweep (ASHA), "
               f"{args.seeds} seeds per method; "
               f"budget about {2 * total / 3600:.1f} CPU-hours = {total / 3600:.1f} h of wall time on 2 cores", flush=True)
         for m in methods:
-            tuned = (f"sweep {m.space} (ASHA, about {asha_epochs(args.trials, epochs[m.key]):.1f} epochs)"
+            tuned = (f"sweep {m.space} (ASHA from epoch {grace[m.key]}, about "
+                     f"{asha_epochs(args.trials, epochs[m.key], grace[m.key]):.1f} epochs)"
                      if m.space else "untuned")
             print(f"  part {m.key:20s} ~{est[m.key] / 60:4.0f} min  ({' '.join([m.recipe, *m.overrides])}, "
                   f"{epochs[m.key]} epochs, {tuned})", flush=True)

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="data.image_size and data.eval_resize (default 32; the recipe's is 64)")
     ap.add_argument("--workers", type=int, default=1, help="Ray Train workers per trial (default 1)")
     ap.add_argument("--max-concurrent", type=int, default=2, help="trials at once (default 2)")
-    ap.add_argument("--grace", type=int, default=1, help="ASHA grace period in epochs (default 1)")
+    ap.add_argument("--grace", type=int, default=None,
+                    help="ASHA grace period in epochs (default: the first after optim.warmup_epochs)")
     ap.add_argument("--rf", type=int, default=3, help="ASHA reduction factor (default 3)")
     ap.add_argument("--schedulers", nargs="+", default=["asha", "none"], choices=["asha", "none"])
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampled configs and of train.seed")
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                             grace_period=args.grace, reduction_factor=args.rf)
     points = sample_points(spec.space, args.trials, args.seed)
     print(f"bench_tune: {args.trials} trials x {args.epochs} epochs ({args.max_steps or 'all'} steps, {size} px, "
-          f"{args.workers} worker(s)), {args.max_concurrent} at once; ASHA grace {args.grace} rf {args.rf}; "
+          f"{args.workers} worker(s)), {args.max_concurrent} at once; ASHA grace {spec.grace_period} rf {args.rf}; "
           f"work dir {work}", flush=True)
 
     from services import runtime

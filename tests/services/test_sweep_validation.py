@@ -98,3 +98,16 @@ def test_cli_include_base_reaches_the_sweep(capsys, tmp_path, monkeypatch):
     assert cli.main([*argv, "--include-base"]) == 2 and seen["include_base"] is True
     assert cli.main(argv) == 2 and seen["include_base"] is False
     assert capsys.readouterr().err.count("stopped before any trial") == 2
+
+
+def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refused():
+    base = load_config("emoji_proxy_anchor")  # 1 warm-up epoch (head and proxies only), 5 epochs
+    ok = dict(samples=4, search="optuna", max_concurrent=None, cluster_cpus=4)
+    assert sweep.load_sweep(base, "reality_proxy_anchor", scheduler="asha", **ok).grace_period == 2
+    with pytest.raises(ConfigError, match=r"ASHA grace period 1 ends inside the warm-up \(optim.warmup_epochs=1\)"
+                                          r".*use --grace 2 or more"):
+        sweep.load_sweep(base, "reality_proxy_anchor", scheduler="asha", grace_period=1, **ok)
+    # without ASHA there is no rung to misplace; without a warm-up the first epoch is a fair rung
+    assert sweep.load_sweep(base, "reality_proxy_anchor", scheduler="none", grace_period=1, **ok).grace_period == 1
+    cold = load_config("emoji_proxy_anchor", ["optim.warmup_epochs=0"])
+    assert sweep.load_sweep(cold, "reality_proxy_anchor", scheduler="asha", **ok).grace_period == 1
