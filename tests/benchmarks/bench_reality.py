@@ -16,9 +16,10 @@ Reality Check" (2020), on the emoji benchmark:
 The plain peer set-up (``emoji_peer_proxy_anchor``: all layers at 64 px, flips) is trained
 the same way, untuned, as the baseline row. The losses that trailed it on the 128 px
 recipes are also tuned on the peer's own set-up (the ``*_full`` parts: only the loss
-changes). Every sweep runs the recipe's own point as its first trial (``--include-base``). Every sweep (parent and trial runs) and every
-final run lands in one MLflow experiment (``--experiment``); at the end ``proxydml report``
-renders it and logs the page, with the study's table, to the experiment's report run.
+changes). Every sweep runs the recipe's own point as its first trial (``--include-base``).
+Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
+(``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
+study's table, to the experiment's report run.
 
 Resumable: each finished step (a sweep, one seed) is written to ``WORKDIR/state.json`` at
 once, and the study runs in parts of under an hour (one method: its sweep and its seeds).
@@ -210,11 +211,11 @@ def run_sweep(m: Method, part: dict[str, Any], args: argparse.Namespace, common:
         out = proxydml(["tune", "--config", m.recipe, "--space", m.space or "", "--samples", str(args.trials),
                         # ASHA's first rung: the first epoch after the warm-up (proxydml tune's default)
                         "--scheduler", "asha", "--search", "optuna", "--reduction-factor", "2",
+                        # the recipe's own point is one of the trials: a sweep never ends below its recipe
+                        "--include-base", *m.overrides, *common, f"data.val_classes={args.val_classes}",
                         # one worker per trial: two trials at once share the 2 cores, which is
                         # what asynchronous ASHA needs to compare them early
-                        # the recipe's own point is one of the trials: a sweep never ends below its recipe
-                        "--include-base", *m.overrides,
-                        *common, f"data.val_classes={args.val_classes}", "scaling.num_workers=1"], env)
+                        "scaling.num_workers=1"], env)
         name = sweep_name(out)
         part["sweep"] = name
         part["best_yaml"] = proxydml(["tune", "best", name], env)
