@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -81,6 +82,9 @@ class Method:
     space: str | None  # search space under configs/search; None: a fixed set-up, not tuned
     overrides: tuple[str, ...] = ()  # on top of the recipe, in the sweep (and so in its best config)
     s_per_train_image: float = S_PER_TRAIN_IMAGE  # the cost model's price of the recipe's epoch
+    # The space is a grid, every point trained for the whole schedule (no ASHA, no sampling):
+    # for levers such as the lr schedule, whose effect shows only at the end.
+    grid: bool = False
 
 
 # The losses that trailed the peer, on the peer's own set-up (every layer trained at 64 px,
@@ -106,6 +110,14 @@ METHODS = (
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
     Method("ps_proxy_anchor_full", "PS + Proxy-Anchor, all layers 64 px", PEER, "reality_full_ps_proxy_anchor",
            PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
+    # The Proxy-Anchor family, still behind the peer with its loss knobs tuned, with the lr
+    # schedule as the lever: constant (the peer) or cosine, each at two peak lrs.
+    Method("proxy_anchor_sched", "Proxy-Anchor, all layers 64 px, lr schedule swept", PEER, "reality_full_schedule",
+           s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    Method("proxy_isa_sched", "Proxy-ISA, all layers 64 px, lr schedule swept", PEER, "reality_full_schedule",
+           ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    Method("ps_proxy_anchor_sched", "PS + Proxy-Anchor, all layers 64 px, lr schedule swept", PEER,
+           "reality_full_schedule", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -116,6 +128,8 @@ CLAIMS = (
     ("Proxy-ISA >= Proxy-Anchor", "proxy_isa", "proxy_anchor", False),
     ("PS + Proxy-Anchor > Proxy-Anchor, all layers 64 px", "ps_proxy_anchor_full", "proxy_anchor_full", True),
     ("Proxy-ISA >= Proxy-Anchor, all layers 64 px", "proxy_isa_full", "proxy_anchor_full", False),
+    ("Proxy-Anchor, lr schedule swept > Proxy-Anchor, all layers 64 px", "proxy_anchor_sched", "proxy_anchor_full",
+     True),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )
 
@@ -129,6 +143,12 @@ def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> fl
         total += trials * share * (end - rung_start)
         rung_start, rung, share = end, rung * rf, share / rf
     return total
+
+
+def grid_points(space: str) -> int:
+    """Points of a grid space file: the product of its dimensions' grid lengths."""
+    raw = yaml.safe_load(resolve_space_file(space).read_text())
+    return math.prod(len(d["grid"]) for d in raw.values())
 
 
 def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images: int, val_images: int,
@@ -145,10 +165,11 @@ def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images:
         final = S_START + epochs[m.key] * images(train_images) * m.s_per_train_image + test_images * S_PER_EVAL_IMAGE
         s = seeds * final
         if m.space:
-            spent = asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
+            n = grid_points(m.space) if m.grid else trials
+            spent = n * epochs[m.key] if m.grid else asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
             # Two trials at once on the 2 cores: each trial's start-up overlaps the other's work.
             s += spent * (images(train_images - val_images) * m.s_per_train_image + val_images * S_PER_EVAL_IMAGE)
-            s += trials * S_START / 2 + S_START
+            s += n * S_START / 2 + S_START
         out[m.key] = s
     return out
 
@@ -208,11 +229,14 @@ def run_sweep(m: Method, part: dict[str, Any], args: argparse.Namespace, common:
     """The method's sweep on the validation split; its best config as YAML in ``folder``."""
     best = folder / "best.yaml"
     if "best_yaml" not in part:
-        out = proxydml(["tune", "--config", m.recipe, "--space", m.space or "", "--samples", str(args.trials),
-                        # ASHA's first rung: the first epoch after the warm-up (proxydml tune's default)
-                        "--scheduler", "asha", "--search", "optuna", "--reduction-factor", "2",
-                        # the recipe's own point is one of the trials: a sweep never ends below its recipe
-                        "--include-base", *m.overrides, *common, f"data.val_classes={args.val_classes}",
+        how = (["--samples", "1", "--scheduler", "none", "--search", "grid"] if m.grid else
+               ["--samples", str(args.trials),
+                # ASHA's first rung: the first epoch after the warm-up (proxydml tune's default)
+                "--scheduler", "asha", "--search", "optuna", "--reduction-factor", "2",
+                # the recipe's own point is one of the trials: a sweep never ends below its recipe
+                "--include-base"])
+        out = proxydml(["tune", "--config", m.recipe, "--space", m.space or "", *how, *m.overrides, *common,
+                        f"data.val_classes={args.val_classes}",
                         # one worker per trial: two trials at once share the 2 cores, which is
                         # what asynchronous ASHA needs to compare them early
                         "scaling.num_workers=1"], env)
@@ -345,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.seeds} seeds per method; "
               f"budget about {2 * total / 3600:.1f} CPU-hours = {total / 3600:.1f} h of wall time on 2 cores", flush=True)
         for m in methods:
-            tuned = (f"sweep {m.space} (ASHA from epoch {grace[m.key]}, about "
-                     f"{asha_epochs(args.trials, epochs[m.key], grace[m.key]):.1f} epochs)"
-                     if m.space else "untuned")
+            tuned = ("untuned" if not m.space else
+                     f"grid {m.space} ({grid_points(m.space)} points x {epochs[m.key]} epochs)" if m.grid else
+                     f"sweep {m.space} (ASHA from epoch {grace[m.key]}, about "
+                     f"{asha_epochs(args.trials, epochs[m.key], grace[m.key]):.1f} epochs)")
             print(f"  part {m.key:20s} ~{est[m.key] / 60:4.0f} min  ({' '.join([m.recipe, *m.overrides])}, "
                   f"{epochs[m.key]} epochs, {tuned})", flush=True)
         for m in methods:

@@ -21,7 +21,7 @@ sys.modules["bench_reality"] = study  # dataclasses look their module up while t
 _spec.loader.exec_module(study)
 
 
-@pytest.mark.parametrize("method", [m for m in study.METHODS if m.space], ids=lambda m: m.key)
+@pytest.mark.parametrize("method", [m for m in study.METHODS if m.space and not m.grid], ids=lambda m: m.key)
 def test_each_method_space_validates_against_its_recipe(method):
     base = load_config(method.recipe, list(method.overrides))
     spec = sweep.load_sweep(base, method.space, samples=4, scheduler="asha", search="optuna", max_concurrent=None,
@@ -53,6 +53,31 @@ def test_full_parts_are_the_peer_set_up_with_only_the_methods_loss_changed(metho
     space = {d.key: d for d in sweep.load_sweep(base, method.space, samples=4, scheduler="asha", search="optuna",
                                                 max_concurrent=None, cluster_cpus=64).space}
     assert max(space["optim.lr"].values) == 1.5e-4
+
+
+@pytest.mark.parametrize("method", [m for m in study.METHODS if m.grid], ids=lambda m: m.key)
+def test_schedule_parts_grid_the_schedule_on_the_tuned_full_parts_set_up(method):
+    full = study.BY_KEY[method.key.replace("_sched", "_full")]
+    assert (method.recipe, method.overrides) == (full.recipe, full.overrides)  # the same loss on the peer's set-up
+    base = load_config(method.recipe, list(method.overrides))
+    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
+                            cluster_cpus=64)
+    space = {d.key: d.values for d in spec.space}
+    assert space == {"optim.scheduler": ("none", "cosine"), "optim.lr": (1e-4, 1.5e-4)}
+    # the study's trial budget, and the peer's own point (constant, 1e-4) is one of them
+    assert study.grid_points(method.space) == 4
+    assert (base.optim.scheduler, base.optim.lr) == ("none", 1e-4)
+
+
+def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
+    grid, asha = study.BY_KEY["proxy_anchor_sched"], study.BY_KEY["proxy_anchor_full"]
+    args = (3965, 1500, 3965, [grid, asha])
+    est = study.estimate_s(4, 3, {"proxy_anchor_sched": 12, "proxy_anchor_full": 12}, *args,
+                           grace={"proxy_anchor_full": 2})
+    # same finals; the grid trains 4 x 12 epochs where ASHA trains asha_epochs(4, 12, 2)
+    extra = (4 * 12 - study.asha_epochs(4, 12, 2)) * (
+        (3965 - 1500) * study.S_PER_TRAIN_IMAGE_FULL64 + 1500 * study.S_PER_EVAL_IMAGE)
+    assert est["proxy_anchor_sched"] - est["proxy_anchor_full"] == pytest.approx(extra)
 
 
 def test_every_space_file_of_the_study_belongs_to_a_method():
