@@ -133,8 +133,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from services import console, sweep
 
     with console.run_console(console.log_path_for(f"tune-{Path(args.space).stem}"), discard_on=USER_ERRORS) as log:
-        print(f"proxydml tune: {args.samples} trial(s) of {base.scaling.num_workers} worker(s), "
-              f"{args.search} search, scheduler {args.scheduler}", flush=True)
+        print(f"proxydml tune: --samples {args.samples}, {args.search} search, scheduler {args.scheduler}, "
+              f"{base.scaling.num_workers} worker(s) a trial", flush=True)
         out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
                               search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
                               address=args.address, grace_period=args.grace,

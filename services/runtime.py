@@ -38,7 +38,7 @@ from services.auth import use_credentials, worker_credentials  # noqa: E402
 from services.cluster import ClusterError, probe  # noqa: E402
 from services.net import free_port  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
-from services.search_space import Dimension, SweepSpec, apply  # noqa: E402
+from services.search_space import Dimension, SweepSpec, apply, num_samples  # noqa: E402
 
 # services.mlflow_tracking (MLflow, ~1.4 s to import) is imported inside the functions that
 # log: every Ray Train worker imports this module, and only rank 0 logs to MLflow.
@@ -497,7 +497,7 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             param_space=space,
             tune_config=tune.TuneConfig(
                 metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
-                num_samples=1 if spec.search == "grid" else spec.samples,
+                num_samples=num_samples(spec.samples, spec.search),
                 max_concurrent_trials=limit,
             ),
             run_config=tune.RunConfig(

@@ -76,6 +76,17 @@ class SweepSpec:
         return f"sweep-{self.base.data.name}-{self.base.loss.name}-{hashlib.sha256(blob).hexdigest()[:8]}"
 
 
+def num_samples(samples: int, search: str) -> int:
+    """Tune's ``num_samples``: a grid search runs the grid's cross product once; otherwise
+    every sample repeats it (one trial per sample when the space has no grid)."""
+    return 1 if search == "grid" else samples
+
+
+def trial_count(dims: list[Dimension], samples: int, search: str) -> int:
+    """Trials a sweep runs: Tune's ``num_samples`` times the grid dimensions' cross product."""
+    return num_samples(samples, search) * math.prod(len(d.values) for d in dims if d.kind == "grid")
+
+
 def default_grace(base: Config) -> int:
     """ASHA's first rung when none is given: the first epoch after the warm-up."""
     return min(base.optim.warmup_epochs + 1, base.train.epochs)
@@ -164,14 +175,15 @@ def load_sweep(
     # An elastic trial (MIN-MAX workers) runs on as few as MIN.
     worker_cpus = base.scaling.resolved(1, sweep=True).cpus_per_worker
     per_trial = base.scaling.min_workers * worker_cpus
-    fits = int(cluster_cpus // per_trial) if math.isfinite(cluster_cpus) else samples
+    trials = trial_count(dims, samples, search)
+    fits = int(cluster_cpus // per_trial) if math.isfinite(cluster_cpus) else trials
     if fits < 1:
         raise ConfigError(
             f"one trial needs {per_trial:g} CPUs ({base.scaling.min_workers} workers x "
             f"{worker_cpus:g}) but the cluster has {cluster_cpus:g}"
         )
     if max_concurrent is None:
-        max_concurrent = max(1, min(fits, samples))
+        max_concurrent = max(1, min(fits, trials))  # a 4-point grid at --samples 1 runs 4 trials
     elif max_concurrent < 1:
         raise ConfigError(f"--max-concurrent must be >= 1, got {max_concurrent}")
     elif max_concurrent > fits:

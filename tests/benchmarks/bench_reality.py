@@ -17,6 +17,9 @@ The plain peer set-up (``emoji_peer_proxy_anchor``: all layers at 64 px, flips) 
 the same way, untuned, as the baseline row. The losses that trailed it on the 128 px
 recipes are also tuned on the peer's own set-up (the ``*_full`` parts: only the loss
 changes). Every sweep runs the recipe's own point as its first trial (``--include-base``).
+The Proxy-Anchor family, still behind the peer with its loss knobs tuned, also gets a lever
+beyond them (the ``*_sched`` parts): a 4-point grid of the lr schedule (constant or cosine)
+and the peak lr, every point trained for all 12 epochs, the peer's own point among them.
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.

@@ -8,6 +8,7 @@ import yaml
 
 from pipelines.config import ConfigError, from_dict, load_config
 from services import sweep
+from services.search_space import trial_count
 
 
 def test_space_errors_come_before_any_trial(tmp_path, digits_config):
@@ -111,3 +112,21 @@ def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refus
     assert sweep.load_sweep(base, "reality_proxy_anchor", scheduler="none", grace_period=1, **ok).grace_period == 1
     cold = load_config("emoji_proxy_anchor", ["optim.warmup_epochs=0"])
     assert sweep.load_sweep(cold, "reality_proxy_anchor", scheduler="asha", **ok).grace_period == 1
+
+
+def test_a_grid_runs_its_points_at_once_where_the_cluster_holds_them(tmp_path):
+    # --search grid runs the cross product once whatever --samples says: a 2 x 2 grid is 4
+    # trials, and on 4 CPUs four 1-CPU trials run together (they once ran one at a time).
+    base = load_config("digits")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"optim.lr": {"grid": [1e-4, 1e-3]}, "optim.scheduler": {"grid": ["none", "cosine"]}}))
+    per_trial = base.scaling.min_workers * base.scaling.resolved(1, sweep=True).cpus_per_worker
+    spec = sweep.load_sweep(base, grid, samples=1, scheduler="none", search="grid", max_concurrent=None,
+                            cluster_cpus=4 * per_trial)
+    assert trial_count(spec.space, spec.samples, spec.search) == 4
+    assert spec.max_concurrent == 4
+    # random search repeats the grid per sample: 3 samples x 4 points, capped by the cluster
+    spec = sweep.load_sweep(base, grid, samples=3, scheduler="none", search="random", max_concurrent=None,
+                            cluster_cpus=8 * per_trial)
+    assert trial_count(spec.space, spec.samples, spec.search) == 12
+    assert spec.max_concurrent == 8
