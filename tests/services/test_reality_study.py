@@ -130,13 +130,13 @@ def test_capped_epochs_cost_less_and_eval_cost_stays():
 @pytest.mark.parametrize("line", ["sweep sweep-emoji-proxy_nca_pp-1a2b3c4d: 4 trial(s), best R@1 0.61",
                                   "sweep sweep-emoji-proxy_nca_pp-1a2b3c4d (resumed): 4 trial(s)"])
 def test_sweep_name_is_read_from_tunes_summary_line(line):
-    out = f"proxydml tune: 4 trial(s) of 1 worker(s)\n{line}\n  trial 0 ..."
+    out = f"proxydml tune: --samples 4, optuna search, scheduler asha, 1 worker(s) a trial\n{line}\n  trial 0 ..."
     assert study.sweep_name(out) == "sweep-emoji-proxy_nca_pp-1a2b3c4d"
 
 
 def test_no_summary_line_stops_the_study():
     with pytest.raises(SystemExit, match="no sweep summary"):
-        study.sweep_name("proxydml tune: 4 trial(s)\nTraceback ...")
+        study.sweep_name("proxydml tune: --samples 4, optuna search\nTraceback ...")
 
 
 @pytest.mark.parametrize(("a", "b", "strict", "expected"), [
