@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data.emoji import ensure_built  # noqa: E402
-from services.search_space import default_grace, parse_space, resolve_space_file  # noqa: E402
+from services.search_space import default_grace, parse_space, resolve_space_file, trial_count  # noqa: E402
 
 PROXYDML = [str(Path(sys.executable).with_name("proxydml"))]  # the console script next to this Python
 METRICS = {"R@1": "recall_at_1", "MAP@R": "map_at_r", "cross-family R@1": "xgroup_recall_at_1"}
@@ -148,10 +147,11 @@ def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> fl
     return total
 
 
-def grid_points(space: str) -> int:
-    """Points of a grid space file: the product of its dimensions' grid lengths."""
-    raw = yaml.safe_load(resolve_space_file(space).read_text())
-    return math.prod(len(d["grid"]) for d in raw.values())
+def grid_points(m: Method) -> int:
+    """Trials of a grid part's sweep: its space's cross product, as ``proxydml tune`` counts it."""
+    space = parse_space(yaml.safe_load(resolve_space_file(m.space or "").read_text()),
+                        load_config(m.recipe, list(m.overrides)))
+    return trial_count(space, 1, "grid")
 
 
 def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images: int, val_images: int,
@@ -168,7 +168,7 @@ def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images:
         final = S_START + epochs[m.key] * images(train_images) * m.s_per_train_image + test_images * S_PER_EVAL_IMAGE
         s = seeds * final
         if m.space:
-            n = grid_points(m.space) if m.grid else trials
+            n = grid_points(m) if m.grid else trials
             spent = n * epochs[m.key] if m.grid else asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
             # Two trials at once on the 2 cores: each trial's start-up overlaps the other's work.
             s += spent * (images(train_images - val_images) * m.s_per_train_image + val_images * S_PER_EVAL_IMAGE)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
               f"budget about {2 * total / 3600:.1f} CPU-hours = {total / 3600:.1f} h of wall time on 2 cores", flush=True)
         for m in methods:
             tuned = ("untuned" if not m.space else
-                     f"grid {m.space} ({grid_points(m.space)} points x {epochs[m.key]} epochs)" if m.grid else
+                     f"grid {m.space} ({grid_points(m)} points x {epochs[m.key]} epochs)" if m.grid else
                      f"sweep {m.space} (ASHA from epoch {grace[m.key]}, about "
                      f"{asha_epochs(args.trials, epochs[m.key], grace[m.key]):.1f} epochs)")
             print(f"  part {m.key:20s} ~{est[m.key] / 60:4.0f} min  ({' '.join([m.recipe, *m.overrides])}, "

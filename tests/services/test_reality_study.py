@@ -65,7 +65,7 @@ def test_schedule_parts_grid_the_schedule_on_the_tuned_full_parts_set_up(method)
     space = {d.key: d.values for d in spec.space}
     assert space == {"optim.scheduler": ("none", "cosine"), "optim.lr": (1e-4, 1.5e-4)}
     # the study's trial budget, and the peer's own point (constant, 1e-4) is one of them
-    assert study.grid_points(method.space) == 4
+    assert study.grid_points(method) == 4
     assert (base.optim.scheduler, base.optim.lr) == ("none", 1e-4)
 
 
