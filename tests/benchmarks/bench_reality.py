@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -147,6 +148,7 @@ def asha_epochs(trials: int, max_epochs: int, grace: int = 1, rf: int = 2) -> fl
     return total
 
 
+@functools.cache  # the budget line and the cost model both ask; parsing loads the recipe
 def grid_points(m: Method) -> int:
     """Trials of a grid part's sweep: its space's cross product, as ``proxydml tune`` counts it."""
     space = parse_space(yaml.safe_load(resolve_space_file(m.space or "").read_text()),
@@ -168,8 +170,12 @@ def estimate_s(trials: int, seeds: int, epochs: Mapping[str, int], train_images:
         final = S_START + epochs[m.key] * images(train_images) * m.s_per_train_image + test_images * S_PER_EVAL_IMAGE
         s = seeds * final
         if m.space:
-            n = grid_points(m) if m.grid else trials
-            spent = n * epochs[m.key] if m.grid else asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
+            if m.grid:  # every point runs every epoch
+                n = grid_points(m)
+                spent = n * epochs[m.key]
+            else:
+                n = trials
+                spent = asha_epochs(trials, epochs[m.key], (grace or {}).get(m.key, 1))
             # Two trials at once on the 2 cores: each trial's start-up overlaps the other's work.
             s += spent * (images(train_images - val_images) * m.s_per_train_image + val_images * S_PER_EVAL_IMAGE)
             s += n * S_START / 2 + S_START
