@@ -121,6 +121,10 @@ METHODS = (
            ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     Method("ps_proxy_anchor_sched", "PS + Proxy-Anchor, all layers 64 px, lr schedule swept", PEER,
            "reality_full_schedule", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # Proxy-ISA, level with the peer at the lr its schedule grid chose, with the knob that
+    # decides whether its sample-aware decay acts at all on 5 images a class: V.
+    Method("proxy_isa_decay", "Proxy-ISA, all layers 64 px, lr 1.5e-4, V swept", PEER, "reality_full_isa_decay",
+           (*ISA_ON_PEER, "optim.lr=1.5e-4"), s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -133,6 +137,7 @@ CLAIMS = (
     ("Proxy-ISA >= Proxy-Anchor, all layers 64 px", "proxy_isa_full", "proxy_anchor_full", False),
     ("Proxy-Anchor, lr schedule swept > Proxy-Anchor, all layers 64 px", "proxy_anchor_sched", "proxy_anchor_full",
      True),
+    ("Proxy-ISA, V swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_decay", "proxy_anchor_sched", False),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )
 
