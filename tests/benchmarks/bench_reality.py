@@ -125,6 +125,10 @@ METHODS = (
     # decides whether its sample-aware decay acts at all on 5 images a class: V.
     Method("proxy_isa_decay", "Proxy-ISA, all layers 64 px, lr 1.5e-4, V swept", PEER, "reality_full_isa_decay",
            (*ISA_ON_PEER, "optim.lr=1.5e-4"), s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # PS + Proxy-Anchor, behind the peer at mu 1 and collapsing at lr 1.5e-4: fewer synthetic
+    # classes per batch, with the peak lr.
+    Method("ps_proxy_anchor_mu", "PS + Proxy-Anchor, all layers 64 px, mu and lr swept", PEER, "reality_full_ps_mu",
+           PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -138,6 +142,8 @@ CLAIMS = (
     ("Proxy-Anchor, lr schedule swept > Proxy-Anchor, all layers 64 px", "proxy_anchor_sched", "proxy_anchor_full",
      True),
     ("Proxy-ISA, V swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_decay", "proxy_anchor_sched", False),
+    ("PS + Proxy-Anchor, mu and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_mu",
+     "proxy_anchor_sched", True),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )
 

@@ -92,6 +92,19 @@ def test_isa_decay_part_grids_v_where_the_decay_is_off_and_on_at_the_schedule_gr
     assert all(s < 0.7 for v, s in sigma.items() if v != 100.0)
 
 
+def test_ps_mu_part_grids_fewer_synthetic_classes_with_the_lr_on_the_full_parts_set_up():
+    method, full = study.BY_KEY["ps_proxy_anchor_mu"], study.BY_KEY["ps_proxy_anchor_full"]
+    assert method.grid and (method.recipe, method.overrides) == (full.recipe, full.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
+                            cluster_cpus=64)
+    space = {d.key: d.values for d in spec.space}
+    assert space == {"synthesis.mu": (0.25, 0.5), "optim.lr": (1e-4, 1.5e-4)}
+    assert study.grid_points(method) == 4 and base.optim.scheduler == "none"
+    # fewer synthetic classes than the paper's mu 1, the point ps_proxy_anchor_sched chose
+    assert all(mu < base.synthesis.mu == 1.0 for mu in space["synthesis.mu"])
+
+
 def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
     grid, asha = study.BY_KEY["proxy_anchor_sched"], study.BY_KEY["proxy_anchor_full"]
     args = (3965, 1500, 3965, [grid, asha])
