@@ -20,6 +20,9 @@ changes). Every sweep runs the recipe's own point as its first trial (``--includ
 The Proxy-Anchor family, still behind the peer with its loss knobs tuned, also gets a lever
 beyond them (the ``*_sched`` parts): a 4-point grid of the lr schedule (constant or cosine)
 and the peak lr, every point trained for all 12 epochs, the peer's own point among them.
+Two more grids the same way: Proxy-ISA's V at the lr its schedule grid chose
+(``proxy_isa_decay``: whether its sample-aware decay starts at all on 5 images a class), and
+PS + Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``).
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.
