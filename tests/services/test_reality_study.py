@@ -15,6 +15,7 @@ import torch
 from pipelines.config import load_config
 from proxies.functional import isa_class_params
 from proxies.proxy_isa import effective_number
+from proxies.registry import loss_parameters
 from services import sweep
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_reality.py"
@@ -58,15 +59,20 @@ def test_full_parts_are_the_peer_set_up_with_only_the_methods_loss_changed(metho
     assert max(space["optim.lr"].values) == 1.5e-4
 
 
+def _grid_space(method) -> dict[str, tuple]:
+    """A grid part's space as ``proxydml tune --search grid`` loads it, over its own recipe."""
+    base = load_config(method.recipe, list(method.overrides))
+    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
+                            cluster_cpus=64)
+    return {d.key: d.values for d in spec.space}
+
+
 @pytest.mark.parametrize("method", [m for m in study.METHODS if m.key.endswith("_sched")], ids=lambda m: m.key)
 def test_schedule_parts_grid_the_schedule_on_the_tuned_full_parts_set_up(method):
     full = study.BY_KEY[method.key.replace("_sched", "_full")]
     assert (method.recipe, method.overrides) == (full.recipe, full.overrides)  # the same loss on the peer's set-up
     base = load_config(method.recipe, list(method.overrides))
-    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
-                            cluster_cpus=64)
-    space = {d.key: d.values for d in spec.space}
-    assert space == {"optim.scheduler": ("none", "cosine"), "optim.lr": (1e-4, 1.5e-4)}
+    assert _grid_space(method) == {"optim.scheduler": ("none", "cosine"), "optim.lr": (1e-4, 1.5e-4)}
     # the study's trial budget, and the peer's own point (constant, 1e-4) is one of them
     assert study.grid_points(method) == 4
     assert (base.optim.scheduler, base.optim.lr) == ("none", 1e-4)
@@ -77,28 +83,28 @@ def test_isa_decay_part_grids_v_where_the_decay_is_off_and_on_at_the_schedule_gr
     assert method.grid and method.overrides == (*sched.overrides, "optim.lr=1.5e-4")
     base = load_config(method.recipe, list(method.overrides))
     assert (base.optim.scheduler, base.optim.lr) == ("none", 1.5e-4)  # proxy_isa_sched's chosen point
-    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
-                            cluster_cpus=64)
-    (dim,) = spec.space
-    assert dim.key == "loss.V" and study.grid_points(method) == 4  # the study's trial budget
+    space = _grid_space(method)
+    assert list(space) == ["loss.V"] and study.grid_points(method) == 4  # the study's trial budget
+    (values,) = space.values()
     # A class of the emoji benchmark is seen 5 times an epoch: 60 samples in 12 epochs. At the
     # authors' V 100 (proxy_isa_sched's own point) the decay sigma never leaves 1; at the
     # grid's smallest V it reaches its floor, and every V of the grid's others starts it.
+    # k, lambda and tau: the loss's own defaults, which the part leaves alone.
+    authors = loss_parameters("proxy_isa")
     n = torch.tensor([5.0 * base.train.epochs])
-    sigma = {v: isa_class_params(effective_number(n, v), torch.ones(1), v, 0.9, 0.1, 1.5, True).sigma.item()
-             for v in dim.values}
-    assert sigma[100.0] > 0.9999
-    assert sigma[min(dim.values)] < 0.31
-    assert all(s < 0.7 for v, s in sigma.items() if v != 100.0)
+    sigma = {v: isa_class_params(effective_number(n, v), torch.ones(1), v, authors["k"], authors["lam"],
+                                 authors["tau"], True).sigma.item()
+             for v in values}
+    assert sigma[authors["V"]] > 0.9999
+    assert sigma[min(values)] < 0.31
+    assert all(s < 0.7 for v, s in sigma.items() if v != authors["V"])
 
 
 def test_ps_mu_part_grids_fewer_synthetic_classes_with_the_lr_on_the_full_parts_set_up():
     method, full = study.BY_KEY["ps_proxy_anchor_mu"], study.BY_KEY["ps_proxy_anchor_full"]
     assert method.grid and (method.recipe, method.overrides) == (full.recipe, full.overrides)
     base = load_config(method.recipe, list(method.overrides))
-    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
-                            cluster_cpus=64)
-    space = {d.key: d.values for d in spec.space}
+    space = _grid_space(method)
     assert space == {"synthesis.mu": (0.25, 0.5), "optim.lr": (1e-4, 1.5e-4)}
     assert study.grid_points(method) == 4 and base.optim.scheduler == "none"
     # fewer synthetic classes than the paper's mu 1, the point ps_proxy_anchor_sched chose
