@@ -100,6 +100,32 @@ def test_isa_decay_part_grids_v_where_the_decay_is_off_and_on_at_the_schedule_gr
     assert all(s < 0.7 for v, s in sigma.items() if v != authors["V"])
 
 
+def test_isa_band_part_grids_h_and_k_at_the_decay_parts_point_where_only_the_band_acts():
+    method, decay = study.BY_KEY["proxy_isa_band"], study.BY_KEY["proxy_isa_decay"]
+    assert method.grid and method.overrides == decay.overrides  # lr 1.5e-4, the authors' V 100 (its choice)
+    space = _grid_space(method)
+    assert space == {"loss.h": (0.05, 0.5), "loss.k": (0.1, 0.9)} and study.grid_points(method) == 4
+    authors = loss_parameters("proxy_isa")
+    random_box = {d.key: d.values for d in sweep.load_sweep(
+        load_config(method.recipe, list(method.overrides)), study.BY_KEY["proxy_isa_full"].space, samples=4,
+        scheduler="asha", search="optuna", max_concurrent=None, cluster_cpus=64).space}
+    assert space["loss.h"] == tuple(random_box["loss.h"])  # h at both ends of the random sweep's range
+    assert authors["k"] in space["loss.k"]
+
+    # After 60 samples a class, mean memory similarity 0.6: the decay is off (sigma 1, so a
+    # band positive weighs 2) and the band [S_out, S_learned] is what the grid moves.
+    def band(h: float, k: float) -> tuple[float, float]:
+        e = effective_number(torch.tensor([60.0]), authors["V"])
+        p = isa_class_params(e, torch.tensor([h * 0.6]), authors["V"], k, authors["lam"], authors["tau"], True)
+        assert p.sigma.item() > 0.9999
+        return p.s_out.item(), p.s_learned.item()
+
+    own = band(authors["h"], authors["k"])
+    nearest_pa, widest = band(min(space["loss.h"]), min(space["loss.k"])), band(max(space["loss.h"]), authors["k"])
+    assert own[0] < nearest_pa[0] < nearest_pa[1] < own[1]  # fewer doubled positives than the authors'
+    assert widest[1] > 3 * own[1]  # far more: the band's top reaches well into the positives
+
+
 def test_ps_mu_part_grids_fewer_synthetic_classes_with_the_lr_on_the_full_parts_set_up():
     method, full = study.BY_KEY["ps_proxy_anchor_mu"], study.BY_KEY["ps_proxy_anchor_full"]
     assert method.grid and (method.recipe, method.overrides) == (full.recipe, full.overrides)
@@ -109,6 +135,23 @@ def test_ps_mu_part_grids_fewer_synthetic_classes_with_the_lr_on_the_full_parts_
     assert study.grid_points(method) == 4 and base.optim.scheduler == "none"
     # fewer synthetic classes than the paper's mu 1, the point ps_proxy_anchor_sched chose
     assert all(mu < base.synthesis.mu == 1.0 for mu in space["synthesis.mu"])
+
+
+def test_ps_alpha_part_grids_a_more_central_mixing_at_the_schedule_grids_choice():
+    method, sched = study.BY_KEY["ps_proxy_anchor_alpha"], study.BY_KEY["ps_proxy_anchor_sched"]
+    assert method.grid and (method.recipe, method.overrides) == (sched.recipe, sched.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    # ps_proxy_anchor_sched's chosen point: the paper's mu 1 at constant lr 1e-4
+    assert (base.synthesis.mu, base.optim.scheduler, base.optim.lr) == (1.0, "none", 1e-4)
+    space = _grid_space(method)
+    assert list(space) == ["synthesis.alpha"] and study.grid_points(method) == 4
+    # every point mixes more centrally than the paper's alpha 0.4 (the part's recipe point):
+    # Beta(a, a) has variance 1 / (4 (2a + 1)), 0.139 at 0.4 and 0.083 down to 0.015 here
+    def variance(a: float) -> float:
+        return 1 / (4 * (2 * a + 1))
+
+    assert base.synthesis.alpha == 0.4
+    assert all(variance(a) < 2 / 3 * variance(base.synthesis.alpha) for a in space["synthesis.alpha"])
 
 
 def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
