@@ -20,9 +20,11 @@ changes). Every sweep runs the recipe's own point as its first trial (``--includ
 The Proxy-Anchor family, still behind the peer with its loss knobs tuned, also gets a lever
 beyond them (the ``*_sched`` parts): a 4-point grid of the lr schedule (constant or cosine)
 and the peak lr, every point trained for all 12 epochs, the peer's own point among them.
-Two more grids the same way: Proxy-ISA's V at the lr its schedule grid chose
-(``proxy_isa_decay``: whether its sample-aware decay starts at all on 5 images a class), and
-PS + Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``).
+More grids the same way: Proxy-ISA's V at the lr its schedule grid chose
+(``proxy_isa_decay``: whether its sample-aware decay starts at all on 5 images a class) and
+its h and k there (``proxy_isa_band``: the band of positives it weighs double); PS +
+Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``), its Beta mixing alpha
+(``ps_proxy_anchor_alpha``) and its head-only warm-up with the lr (``ps_proxy_anchor_warmup``).
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.
@@ -140,6 +142,10 @@ METHODS = (
     # mixing that decides how close a synthetic lies to a real sample: alpha.
     Method("ps_proxy_anchor_alpha", "PS + Proxy-Anchor, all layers 64 px, alpha swept", PEER, "reality_full_ps_alpha",
            PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # PS + Proxy-Anchor at the paper's alpha and mu, whose lr 1.5e-4 collapsed once the
+    # backbone joined: a longer head-only warm-up, with the peak lr.
+    Method("ps_proxy_anchor_warmup", "PS + Proxy-Anchor, all layers 64 px, warm-up and lr swept", PEER,
+           "reality_full_ps_warmup", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -158,6 +164,8 @@ CLAIMS = (
     ("Proxy-ISA, h and k swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_band", "proxy_anchor_sched", False),
     ("PS + Proxy-Anchor, alpha swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_alpha", "proxy_anchor_sched",
      True),
+    ("PS + Proxy-Anchor, warm-up and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_warmup",
+     "proxy_anchor_sched", True),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )
 

@@ -154,6 +154,21 @@ def test_ps_alpha_part_grids_a_more_central_mixing_at_the_schedule_grids_choice(
     assert all(variance(a) < 2 / 3 * variance(base.synthesis.alpha) for a in space["synthesis.alpha"])
 
 
+def test_ps_warmup_part_grids_a_longer_head_only_warm_up_with_the_lr_at_the_papers_ps():
+    method, sched = study.BY_KEY["ps_proxy_anchor_warmup"], study.BY_KEY["ps_proxy_anchor_sched"]
+    assert method.grid and (method.recipe, method.overrides) == (sched.recipe, sched.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    assert (base.synthesis.alpha, base.synthesis.mu, base.optim.scheduler) == (0.4, 1.0, "none")
+    space = _grid_space(method)
+    assert space == {"optim.warmup_epochs": (1, 3), "optim.lr": (1.25e-4, 1.5e-4)}
+    assert study.grid_points(method) == 4
+    # the recipe's own warm-up is a point; the longer one still leaves most epochs to the backbone
+    assert base.optim.warmup_epochs in space["optim.warmup_epochs"]
+    assert max(space["optim.warmup_epochs"]) <= base.train.epochs // 4
+    # above the lr 1e-4 the schedule grid chose, up to the 1.5e-4 at which it collapsed
+    assert min(space["optim.lr"]) > base.optim.lr and max(space["optim.lr"]) == 1.5e-4
+
+
 def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
     grid, asha = study.BY_KEY["proxy_anchor_sched"], study.BY_KEY["proxy_anchor_full"]
     args = (3965, 1500, 3965, [grid, asha])
