@@ -54,17 +54,23 @@ def test_full_parts_are_the_peer_set_up_with_only_the_methods_loss_changed(metho
     if cfg["loss.name"] == "proxy_nca":
         return
     # the Proxy-Anchor family at most 1.5e-4: the 128 px sweep's 2.76e-4 diverged on all seen classes (README)
-    space = {d.key: d for d in sweep.load_sweep(base, method.space, samples=4, scheduler="asha", search="optuna",
-                                                max_concurrent=None, cluster_cpus=64).space}
-    assert max(space["optim.lr"].values) == 1.5e-4
+    assert max(_space(method)["optim.lr"]) == 1.5e-4
+
+
+def _space(method, space: str | None = None) -> dict[str, tuple]:
+    """A part's space (``space``: another part's file) as ``proxydml tune`` loads it over the
+    part's own recipe: a grid part's grid, else the random sweep's ranges."""
+    base = load_config(method.recipe, list(method.overrides))
+    grid = method.grid and space is None
+    spec = sweep.load_sweep(base, space or method.space, samples=1 if grid else 4, scheduler="none" if grid else "asha",
+                            search="grid" if grid else "optuna", max_concurrent=None, cluster_cpus=64)
+    return {d.key: tuple(d.values) for d in spec.space}
 
 
 def _grid_space(method) -> dict[str, tuple]:
     """A grid part's space as ``proxydml tune --search grid`` loads it, over its own recipe."""
-    base = load_config(method.recipe, list(method.overrides))
-    spec = sweep.load_sweep(base, method.space, samples=1, scheduler="none", search="grid", max_concurrent=None,
-                            cluster_cpus=64)
-    return {d.key: d.values for d in spec.space}
+    assert method.grid
+    return _space(method)
 
 
 @pytest.mark.parametrize("method", [m for m in study.METHODS if m.key.endswith("_sched")], ids=lambda m: m.key)
@@ -106,16 +112,16 @@ def test_isa_band_part_grids_h_and_k_at_the_decay_parts_point_where_only_the_ban
     space = _grid_space(method)
     assert space == {"loss.h": (0.05, 0.5), "loss.k": (0.1, 0.9)} and study.grid_points(method) == 4
     authors = loss_parameters("proxy_isa")
-    random_box = {d.key: d.values for d in sweep.load_sweep(
-        load_config(method.recipe, list(method.overrides)), study.BY_KEY["proxy_isa_full"].space, samples=4,
-        scheduler="asha", search="optuna", max_concurrent=None, cluster_cpus=64).space}
-    assert space["loss.h"] == tuple(random_box["loss.h"])  # h at both ends of the random sweep's range
+    random_box = _space(method, study.BY_KEY["proxy_isa_full"].space)
+    assert space["loss.h"] == random_box["loss.h"]  # h at both ends of the random sweep's range
     assert authors["k"] in space["loss.k"]
 
-    # After 60 samples a class, mean memory similarity 0.6: the decay is off (sigma 1, so a
-    # band positive weighs 2) and the band [S_out, S_learned] is what the grid moves.
+    # After 60 samples a class (5 an epoch), mean memory similarity 0.6: the decay is off
+    # (sigma 1, so a band positive weighs 2) and the band [S_out, S_learned] is what the grid moves.
+    e = effective_number(torch.tensor([5.0 * load_config(method.recipe, list(method.overrides)).train.epochs]),
+                         authors["V"])
+
     def band(h: float, k: float) -> tuple[float, float]:
-        e = effective_number(torch.tensor([60.0]), authors["V"])
         p = isa_class_params(e, torch.tensor([h * 0.6]), authors["V"], k, authors["lam"], authors["tau"], True)
         assert p.sigma.item() > 0.9999
         return p.s_out.item(), p.s_learned.item()
