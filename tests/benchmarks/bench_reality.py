@@ -24,7 +24,9 @@ More grids the same way: Proxy-ISA's V at the lr its schedule grid chose
 (``proxy_isa_decay``: whether its sample-aware decay starts at all on 5 images a class) and
 its h and k there (``proxy_isa_band``: the band of positives it weighs double); PS +
 Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``), its Beta mixing alpha
-(``ps_proxy_anchor_alpha``) and its head-only warm-up with the lr (``ps_proxy_anchor_warmup``).
+(``ps_proxy_anchor_alpha``) and its head-only warm-up with the lr (``ps_proxy_anchor_warmup``);
+Proxy-ISA's memory start with the lr (``proxy_isa_memory``) and PS + Proxy-Anchor's mu below
+0.25 (``ps_proxy_anchor_small_mu``).
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.
@@ -146,6 +148,13 @@ METHODS = (
     # backbone joined: a longer head-only warm-up, with the peak lr.
     Method("ps_proxy_anchor_warmup", "PS + Proxy-Anchor, all layers 64 px, warm-up and lr swept", PEER,
            "reality_full_ps_warmup", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # Proxy-ISA at the authors' V, h and k (its grids' best), with the epoch its memory starts: before
+    # it, S_learned is 1 and nearly every negative weighs 1 / E_c, in the backbone's first epoch.
+    Method("proxy_isa_memory", "Proxy-ISA, all layers 64 px, memory start and lr swept", PEER,
+           "reality_full_isa_memory", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # PS + Proxy-Anchor with 4 or 8 synthetic classes a batch, where the mu grid's trend points.
+    Method("ps_proxy_anchor_small_mu", "PS + Proxy-Anchor, all layers 64 px, small mu and lr swept", PEER,
+           "reality_full_ps_small_mu", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -165,6 +174,10 @@ CLAIMS = (
     ("PS + Proxy-Anchor, alpha swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_alpha", "proxy_anchor_sched",
      True),
     ("PS + Proxy-Anchor, warm-up and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_warmup",
+     "proxy_anchor_sched", True),
+    ("Proxy-ISA, memory start and lr swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_memory",
+     "proxy_anchor_sched", False),
+    ("PS + Proxy-Anchor, small mu and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_small_mu",
      "proxy_anchor_sched", True),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),
 )

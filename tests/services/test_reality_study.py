@@ -175,6 +175,49 @@ def test_ps_warmup_part_grids_a_longer_head_only_warm_up_with_the_lr_at_the_pape
     assert min(space["optim.lr"]) > base.optim.lr and max(space["optim.lr"]) == 1.5e-4
 
 
+def test_isa_memory_part_starts_the_memory_before_the_backbones_first_epoch_with_the_lr():
+    method, sched = study.BY_KEY["proxy_isa_memory"], study.BY_KEY["proxy_isa_sched"]
+    assert method.grid and (method.recipe, method.overrides) == (sched.recipe, sched.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    authors = loss_parameters("proxy_isa")
+    assert base.optim.scheduler == "none" and base.loss.memory_start_epoch == 2  # the authors' start
+    assert all(getattr(base.loss, key) is None for key in ("V", "h", "k", "tau"))  # the authors' values
+    space = _grid_space(method)
+    assert space == {"loss.memory_start_epoch": (0, 1), "optim.lr": (1.5e-4, 2e-4)}
+    assert study.grid_points(method) == 4
+    # The backbone trains from epoch warmup_epochs (1); the recipe's memory starts one epoch
+    # later, every grid point at or before it. lr: proxy_isa_sched's choice and one above it.
+    first = base.optim.warmup_epochs
+    assert base.loss.memory_start_epoch > first >= max(space["loss.memory_start_epoch"])
+    assert space["optim.lr"][0] == 1.5e-4 < space["optim.lr"][1]
+
+    # Why: before the memory starts S_learned is 1, so through the backbone's first epoch (5
+    # to 10 samples a class) S_out sits above 0.5 and a negative below it (nearly all) weighs
+    # 1 / E_c, at most 0.21. Once the memory starts, S_learned = h * mean similarity and
+    # S_out falls below -0.5: the negative term is back at full strength.
+    for n in (5.0 * first, 5.0 * (first + 1)):
+        e = effective_number(torch.tensor([n]), authors["V"])
+        before = isa_class_params(e, torch.ones(1), authors["V"], authors["k"], authors["lam"], authors["tau"], False)
+        after = isa_class_params(e, torch.tensor([authors["h"] * 0.3]), authors["V"], authors["k"], authors["lam"],
+                                 authors["tau"], True)
+        assert before.s_out.item() > 0.5 and 1 / e.item() < 0.21
+        assert after.s_out.item() < -0.5
+
+
+def test_ps_small_mu_part_grids_fewer_synthetic_classes_than_the_mu_grid_up_to_the_anchor_lr():
+    method, mu = study.BY_KEY["ps_proxy_anchor_small_mu"], study.BY_KEY["ps_proxy_anchor_mu"]
+    assert method.grid and (method.recipe, method.overrides) == (mu.recipe, mu.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    space = _grid_space(method)
+    assert space == {"synthesis.mu": (0.0625, 0.125), "optim.lr": (1.25e-4, 1.5e-4)}
+    assert study.grid_points(method) == 4 and base.optim.scheduler == "none"
+    # below every mu the mu grid tried, still at least one synthetic class a batch: 4 and 8
+    assert max(space["synthesis.mu"]) < min(_grid_space(mu)["synthesis.mu"])
+    assert [int(base.data.batch_size * m) for m in space["synthesis.mu"]] == [4, 8]
+    # above the stable 1e-4, up to the 1.5e-4 that lifted plain Proxy-Anchor above the peer
+    assert min(space["optim.lr"]) > 1e-4 and max(space["optim.lr"]) == 1.5e-4
+
+
 def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
     grid, asha = study.BY_KEY["proxy_anchor_sched"], study.BY_KEY["proxy_anchor_full"]
     args = (3965, 1500, 3965, [grid, asha])
