@@ -25,8 +25,8 @@ More grids the same way: Proxy-ISA's V at the lr its schedule grid chose
 its h and k there (``proxy_isa_band``: the band of positives it weighs double); PS +
 Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``), its Beta mixing alpha
 (``ps_proxy_anchor_alpha``) and its head-only warm-up with the lr (``ps_proxy_anchor_warmup``);
-Proxy-ISA's memory start with the lr (``proxy_isa_memory``) and PS + Proxy-Anchor's mu below
-0.25 (``ps_proxy_anchor_small_mu``).
+Proxy-ISA's memory start with the lr (``proxy_isa_memory``) and its batch sampling with the lr
+(``proxy_isa_sampler``); PS + Proxy-Anchor's mu below 0.25 (``ps_proxy_anchor_small_mu``).
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.
@@ -152,6 +152,10 @@ METHODS = (
     # it, S_learned is 1 and nearly every negative weighs 1 / E_c, in the backbone's first epoch.
     Method("proxy_isa_memory", "Proxy-ISA, all layers 64 px, memory start and lr swept", PEER,
            "reality_full_isa_memory", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # Proxy-ISA with the batch sampling of the authors' code (plain shuffling) or 32 x 2, where
+    # the peer draws 16 classes x 4 images.
+    Method("proxy_isa_sampler", "Proxy-ISA, all layers 64 px, batch sampling and lr swept", PEER,
+           "reality_full_isa_sampler", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor with 4 or 8 synthetic classes a batch, where the mu grid's trend points.
     Method("ps_proxy_anchor_small_mu", "PS + Proxy-Anchor, all layers 64 px, small mu and lr swept", PEER,
            "reality_full_ps_small_mu", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
@@ -176,6 +180,8 @@ CLAIMS = (
     ("PS + Proxy-Anchor, warm-up and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_warmup",
      "proxy_anchor_sched", True),
     ("Proxy-ISA, memory start and lr swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_memory",
+     "proxy_anchor_sched", False),
+    ("Proxy-ISA, batch sampling and lr swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_sampler",
      "proxy_anchor_sched", False),
     ("PS + Proxy-Anchor, small mu and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_small_mu",
      "proxy_anchor_sched", True),

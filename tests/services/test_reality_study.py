@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from pipelines.config import load_config
+from pipelines.data import build_batch_sampler
 from proxies.functional import isa_class_params
 from proxies.proxy_isa import effective_number
 from proxies.registry import loss_parameters
@@ -202,6 +204,28 @@ def test_isa_memory_part_starts_the_memory_before_the_backbones_first_epoch_with
                                  authors["tau"], True)
         assert before.s_out.item() > 0.5 and 1 / e.item() < 0.21
         assert after.s_out.item() < -0.5
+
+
+def test_isa_sampler_part_grids_the_authors_plain_shuffling_and_fewer_images_a_class_with_the_lr():
+    method, memory = study.BY_KEY["proxy_isa_sampler"], study.BY_KEY["proxy_isa_memory"]
+    assert method.grid and (method.recipe, method.overrides) == (memory.recipe, memory.overrides)
+    base = load_config(method.recipe, list(method.overrides))
+    assert base.data.samples_per_class == 4 and base.optim.scheduler == "none"  # the peer's 16 x 4
+    space = _grid_space(method)
+    assert space == {"data.samples_per_class": (0, 2), "optim.lr": (1.5e-4, 2e-4)}
+    assert study.grid_points(method) == 4
+    # 0 is plain shuffling (the authors' default), 2 is 32 classes x 2; every point keeps the
+    # epoch at N / batch size steps, the peer's wall time.
+    labels = [c for c in range(793) for _ in range(5)]
+    steps = set()
+    for n in (*space["data.samples_per_class"], base.data.samples_per_class):
+        cfg = load_config(method.recipe, [*method.overrides, f"data.samples_per_class={n}"]).data
+        sampler = build_batch_sampler(labels, cfg, rank=0, world_size=1, seed=0)
+        batches = list(sampler)
+        steps.add(len(batches))
+        classes = statistics.mean(len({labels[i] for i in b}) for b in batches)
+        assert classes == 16 if n == 4 else (classes == 32 if n == 2 else classes > 55)
+    assert steps == {len(labels) // base.data.batch_size}
 
 
 def test_ps_small_mu_part_grids_fewer_synthetic_classes_than_the_mu_grid_up_to_the_anchor_lr():
