@@ -26,7 +26,8 @@ its h and k there (``proxy_isa_band``: the band of positives it weighs double); 
 Proxy-Anchor's synthetic ratio mu with the lr (``ps_proxy_anchor_mu``), its Beta mixing alpha
 (``ps_proxy_anchor_alpha``) and its head-only warm-up with the lr (``ps_proxy_anchor_warmup``);
 Proxy-ISA's memory start with the lr (``proxy_isa_memory``) and its batch sampling with the lr
-(``proxy_isa_sampler``); PS + Proxy-Anchor's mu below 0.25 (``ps_proxy_anchor_small_mu``).
+(``proxy_isa_sampler``); PS + Proxy-Anchor's mu below 0.25 (``ps_proxy_anchor_small_mu``) and,
+at its choice, the same sampling grid (``ps_proxy_anchor_sampler``).
 Every sweep (parent and trial runs) and every final run lands in one MLflow experiment
 (``--experiment``); at the end ``proxydml report`` renders it and logs the page, with the
 study's table, to the experiment's report run.
@@ -155,10 +156,14 @@ METHODS = (
     # Proxy-ISA with the batch sampling of the authors' code (plain shuffling) or 32 x 2, where
     # the peer draws 16 classes x 4 images.
     Method("proxy_isa_sampler", "Proxy-ISA, all layers 64 px, batch sampling and lr swept", PEER,
-           "reality_full_isa_sampler", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           "reality_full_sampler", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor with 4 or 8 synthetic classes a batch, where the mu grid's trend points.
     Method("ps_proxy_anchor_small_mu", "PS + Proxy-Anchor, all layers 64 px, small mu and lr swept", PEER,
            "reality_full_ps_small_mu", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+    # PS + Proxy-Anchor at the mu its small-mu grid chose, with the batch sampling and the lr.
+    Method("ps_proxy_anchor_sampler", "PS + Proxy-Anchor, all layers 64 px, mu 1/16, batch sampling and lr swept",
+           PEER, "reality_full_sampler", (*PS_ON_PEER, "synthesis.mu=0.0625"),
+           s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 # (claim, a, b, strict): a > b (strict) or a >= b, judged on R@1 and MAP@R.
@@ -183,6 +188,8 @@ CLAIMS = (
      "proxy_anchor_sched", False),
     ("Proxy-ISA, batch sampling and lr swept >= Proxy-Anchor, lr schedule swept", "proxy_isa_sampler",
      "proxy_anchor_sched", False),
+    ("PS + Proxy-Anchor, batch sampling and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_sampler",
+     "proxy_anchor_sched", True),
     ("PS + Proxy-Anchor, small mu and lr swept > Proxy-Anchor, lr schedule swept", "ps_proxy_anchor_small_mu",
      "proxy_anchor_sched", True),
     *((f"{m.label} > plain peer", m.key, "peer", True) for m in METHODS if m.space),

@@ -206,9 +206,13 @@ def test_isa_memory_part_starts_the_memory_before_the_backbones_first_epoch_with
         assert after.s_out.item() < -0.5
 
 
-def test_isa_sampler_part_grids_the_authors_plain_shuffling_and_fewer_images_a_class_with_the_lr():
-    method, memory = study.BY_KEY["proxy_isa_sampler"], study.BY_KEY["proxy_isa_memory"]
-    assert method.grid and (method.recipe, method.overrides) == (memory.recipe, memory.overrides)
+@pytest.mark.parametrize(("key", "before", "extra"), [
+    ("proxy_isa_sampler", "proxy_isa_memory", ()),  # the authors' memory start: its grid's best
+    ("ps_proxy_anchor_sampler", "ps_proxy_anchor_small_mu", ("synthesis.mu=0.0625",)),  # its grid's choice
+])
+def test_sampler_parts_grid_the_authors_plain_shuffling_and_fewer_images_a_class_with_the_lr(key, before, extra):
+    method, earlier = study.BY_KEY[key], study.BY_KEY[before]
+    assert method.grid and (method.recipe, method.overrides) == (earlier.recipe, (*earlier.overrides, *extra))
     base = load_config(method.recipe, list(method.overrides))
     assert base.data.samples_per_class == 4 and base.optim.scheduler == "none"  # the peer's 16 x 4
     space = _grid_space(method)
