@@ -215,6 +215,8 @@ def test_sampler_parts_grid_the_authors_plain_shuffling_and_fewer_images_a_class
     assert method.grid and (method.recipe, method.overrides) == (earlier.recipe, (*earlier.overrides, *extra))
     base = load_config(method.recipe, list(method.overrides))
     assert base.data.samples_per_class == 4 and base.optim.scheduler == "none"  # the peer's 16 x 4
+    if extra:  # PS + Proxy-Anchor at its small-mu grid's choice, the grid's smallest mu
+        assert base.synthesis.mu == min(_grid_space(earlier)["synthesis.mu"])
     space = _grid_space(method)
     assert space == {"data.samples_per_class": (0, 2), "optim.lr": (1.5e-4, 2e-4)}
     assert study.grid_points(method) == 4
