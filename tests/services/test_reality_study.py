@@ -248,6 +248,20 @@ def test_ps_small_mu_part_grids_fewer_synthetic_classes_than_the_mu_grid_up_to_t
     assert min(space["optim.lr"]) > 1e-4 and max(space["optim.lr"]) == 1.5e-4
 
 
+def test_default_run_is_each_methods_final_part_and_the_peer():
+    headline = study.selected(study.HEADLINE)
+    assert [m.key for m in headline] == [m.key for m in study.METHODS if m.key in study.HEADLINE]
+    assert len(headline) == len(study.HEADLINE) == 7 and "peer" in study.HEADLINE
+    # one part per loss family of the study (ProxyNCA++, ProxyNCA, Proxy-Anchor, Proxy-ISA and
+    # Proxy Synthesis on ProxyNCA++ and on Proxy-Anchor), each tuned: a space of its own
+    losses = {(load_config(m.recipe, list(m.overrides)).loss.name,
+               load_config(m.recipe, list(m.overrides)).synthesis.enabled) for m in headline if m.space}
+    assert losses == {("proxy_nca_pp", False), ("proxy_nca_pp", True), ("proxy_nca", False),
+                      ("proxy_anchor", False), ("proxy_isa", False), ("proxy_anchor", True)}
+    assert study.selected(["all"]) == list(study.METHODS)
+    assert [m.key for m in study.selected(["peer", "proxy_nca_pp"])] == ["proxy_nca_pp", "peer"]  # study order
+
+
 def test_a_grid_part_is_priced_at_every_point_for_the_whole_schedule():
     grid, asha = study.BY_KEY["proxy_anchor_sched"], study.BY_KEY["proxy_anchor_full"]
     args = (3965, 1500, 3965, [grid, asha])
