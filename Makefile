@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast install lint bench clean browser
+.PHONY: demo test test-fast install lint bench clean browser postgres
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,12 @@ browser:
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
 
-test: $(STAMP) browser
+# The stack's database: Debian's PostgreSQL server (the stack runs its own cluster in its state folder).
+postgres:
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null)
+
+test: $(STAMP) browser postgres
 	$(BIN)/ruff check proxies pipelines services tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -67,7 +67,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     install_data_resolver()  # a checkpoint trained on data.root=s3://... reads it from this node's cache
 
-    metrics = evaluate_checkpoint(Path(args.checkpoint), args.overrides)
+    if args.checkpoint.startswith("s3://"):  # a Ray checkpoint in the bucket (the stack's, say)
+        import tempfile
+
+        from services.snapshots import SnapshotError, download_folder
+
+        with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
+            try:
+                local = download_folder(args.checkpoint, Path(tmp))
+            except SnapshotError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            metrics = evaluate_checkpoint(local, args.overrides)
+    else:
+        metrics = evaluate_checkpoint(Path(args.checkpoint), args.overrides)
     # --json: every digit (a logged metric and its re-evaluation compare exactly).
     print(json.dumps(metrics) if args.json else format_metrics(metrics))
     return 0
@@ -81,7 +94,8 @@ def _cmd_stack(args: argparse.Namespace) -> int:
             return stack.cli_user_add(args.state_dir, args.name, args.role, experiments=args.experiment,
                                       models=args.model, tracking_uri=args.tracking_uri, password_env=args.password_env)
         return stack.cli(args.stack_command, args.state_dir, args.s3_port, args.mlflow_port,
-                         auth_on=getattr(args, "auth", False))
+                         auth_on=getattr(args, "auth", False), single_user=getattr(args, "single_user", False),
+                         folder=getattr(args, "folder", None))
     except stack.StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -367,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes (data.val_classes=0 "
                         "scores a model trained on a validation split on the test classes)")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint folder")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint folder, or s3://bucket/prefix of one")
     ev.add_argument("--json", action="store_true", help="print the metrics as JSON, at full precision")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)
@@ -403,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--id", default=None, help="name recorded in the manifest (default: the folder's name)")
     push.set_defaults(func=_cmd_data_push)
 
-    st = sub.add_parser("stack", help="local S3-compatible server + MLflow server on 127.0.0.1")
+    st = sub.add_parser("stack", help="local PostgreSQL + durable S3-compatible server + MLflow server on 127.0.0.1")
     st_opts = argparse.ArgumentParser(add_help=False)
     st_opts.add_argument("--state-dir", default=None, help="pid files, logs, store (default .proxydml/stack)")
     st_opts.add_argument("--s3-port", type=int, default=None, help="S3 port (default: last used, else 9000)")
@@ -414,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
         st_sub.add_parser(name, help=text, parents=[st_opts]).set_defaults(func=_cmd_stack)
     st_sub.choices["up"].add_argument("--auth", action="store_true",
                                       help="MLflow with logins and per-experiment/model permissions (kept once set)")
+    st_sub.choices["up"].add_argument("--single-user", action="store_true",
+                                      help="a new stack on sqlite instead of PostgreSQL (one user; kept once set)")
+    for name, text in (("backup", "copy the database dump and every object into a new folder"),
+                       ("restore", "load a backup into this state folder (replaces its database)")):
+        p = st_sub.add_parser(name, help=text, parents=[st_opts])
+        p.add_argument("folder", help="the backup folder")
+        p.set_defaults(func=_cmd_stack)
     su = st_sub.add_parser("user", help="users of a stack started with --auth").add_subparsers(
         dest="user_command", required=True).add_parser("add", help="create or update a user with one role",
                                                        parents=[st_opts])

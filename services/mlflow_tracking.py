@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # MLflow 3 reports telemetry by default; training clusters must not talk to the outside.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402
+import requests  # noqa: E402
 from mlflow.entities import Metric, Param, Run, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
@@ -33,6 +36,7 @@ from pipelines.config import Config, ConfigError  # noqa: E402
 from services import auth  # noqa: E402
 from services.uris import redact  # noqa: E402
 
+T = TypeVar("T")
 # MLflow caps a param value at 6000 characters and a batch at 100 params.
 _PARAM_BATCH = 100
 
@@ -141,10 +145,12 @@ def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | N
             client.update_run(run_id, status="RUNNING")
             client.set_tag(run_id, "world_size", str(cfg.scaling.num_workers))
             return run_id, True
-        run = client.create_run(exp_id, run_name=cfg.run_name(), tags={**run_tags(cfg), **(extra_tags or {})})
+        run = call_with_retries(lambda: client.create_run(exp_id, run_name=cfg.run_name(),
+                                                          tags={**run_tags(cfg), **(extra_tags or {})}))
         params = [Param(k, _param_value(v)) for k, v in cfg.flat().items()]
         for i in range(0, len(params), _PARAM_BATCH):
-            client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH])
+            # Re-logging an identical param is accepted, so a retry after a lost reply is harmless.
+            call_with_retries(lambda i=i: client.log_batch(run.info.run_id, params=params[i : i + _PARAM_BATCH]))
     return run.info.run_id, False
 
 
@@ -152,20 +158,50 @@ def _param_value(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+# A busy store that the server reports as a client error (400) although retrying succeeds:
+# SQLAlchemy's pool ran dry, sqlite's one writer lock, a database restarting or full of
+# connections. Anything else answered 4xx is the request's own fault and is not retried.
+BUSY_STORE_MESSAGES = ("QueuePool limit", "database is locked", "could not connect to server",
+                       "connection to server", "server closed the connection", "too many clients",
+                       "the database system is starting up", "the database system is shutting down")
+_RETRYABLE_STATUS = (408, 429)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a failed tracking call may succeed if repeated: the server unreachable, 408,
+    429, 5xx, or a busy store (:data:`BUSY_STORE_MESSAGES`) even when labelled 400. Never a
+    refused login (401/403)."""
+    if auth.auth_status(exc) is not None:
+        return False
+    if isinstance(exc, mlflow.exceptions.MlflowException):
+        status = exc.get_http_status_code()
+        if status in _RETRYABLE_STATUS or status >= 500:
+            return True
+        text = str(exc)
+        return any(m in text for m in BUSY_STORE_MESSAGES)
+    return isinstance(exc, (OSError, requests.exceptions.RequestException))
+
+
+def call_with_retries(fn: Callable[[], T], *, attempts: int = 12, max_backoff_s: float = 10.0) -> T:
+    """``fn()``, repeated with exponential backoff and jitter while it fails with a
+    :func:`retryable` error; the last error is raised, never swallowed (a write is reported
+    done only once the server confirmed it)."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as exc:
+            if i == attempts - 1 or not retryable(exc):
+                raise
+            # Jitter: many writers refused together must not come back together.
+            time.sleep(min(0.25 * 2.0**i, max_backoff_s) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
 def end_run(run_id: str, uri: str, status: str, attempts: int = 30) -> None:
     """Close the run; retried so that a blinking server never leaves it RUNNING (a 401/403 is
     not an outage: it raises :class:`services.auth.AuthError` at once)."""
-    for i in range(attempts):
-        try:
-            with auth.guard(uri, auth.Need("EDIT", f"run {run_id}", "close it")):
-                MlflowClient(uri).set_terminated(run_id, status=status)
-            return
-        except auth.AuthError:
-            raise
-        except Exception:
-            if i == attempts - 1:
-                raise
-            time.sleep(min(2.0 ** i * 0.5, 10.0))
+    with auth.guard(uri, auth.Need("EDIT", f"run {run_id}", "close it")):
+        call_with_retries(lambda: MlflowClient(uri).set_terminated(run_id, status=status), attempts=attempts)
 
 
 def log_pytorch_model(run_id: str, uri: str, checkpoint: Path) -> None:
@@ -216,6 +252,7 @@ class MlflowTracker:
         self._logged: set[tuple[str, int]] | None = None  # (key, step) already in the run
         self.uri = uri
         self.failure: auth.AuthError | None = None  # set by the first 401/403; then records are dropped
+        self.refused: list[str] = []  # records the server rejected for good (not retryable)
         self.delivered = 0
         self._thread = threading.Thread(target=self._drain, name="mlflow-tracker", daemon=True)
         self._thread.start()
@@ -247,13 +284,16 @@ class MlflowTracker:
             time.sleep(0.05)
         if self.failure is not None:
             raise self.failure
+        if self.refused:
+            raise RuntimeError(f"{len(self.refused)} MLflow record(s) were refused by the server and not logged; "
+                               f"first: {self.refused[0]}")
         return True
 
     def close(self, timeout: float | None = None) -> bool:
         """Flush (False when not everything was delivered, refusals included) and stop."""
         try:
             done = self.flush(timeout)
-        except auth.AuthError:
+        except (auth.AuthError, RuntimeError):
             done = False
         self._queue.put(None)
         if done:
@@ -294,16 +334,23 @@ class MlflowTracker:
                 self._queue.task_done()
                 return
             backoff = 0.5
+            delivered = False
             while self.failure is None:
                 try:
                     self._send(*item)
+                    delivered = True
                     break
-                except Exception as exc:  # network errors come in many types; retry them all...
+                except Exception as exc:  # network errors come in many types; retry them...
                     status = auth.auth_status(exc)
                     if status is not None:  # ...but a refused login: no retry, drop (see class doc)
                         self.failure = auth.refusal(status, self.uri, auth.Need(
                             "EDIT", f"the experiment of run {self.run_id}", "log metrics, tags and artifacts to it"))
                         warnings.warn(f"{self.failure}; this and later MLflow records are dropped, not retried",
+                                      stacklevel=1)
+                        break
+                    if not retryable(exc):  # ...and a request the server rejects for good
+                        self.refused.append(f"{item[0]}: {type(exc).__name__}: {str(exc)[:300]}")
+                        warnings.warn(f"MLflow refused a {item[0]} record ({str(exc)[:200]}); it is not logged",
                                       stacklevel=1)
                         break
                     if self._outage_since is None:
@@ -315,7 +362,7 @@ class MlflowTracker:
                         )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, self.max_backoff_s)
-            if self.failure is not None:  # dropped: nothing was delivered
+            if not delivered:  # dropped: nothing was delivered
                 if item[0] == "artifacts":
                     shutil.rmtree(item[1][0], ignore_errors=True)  # its spooled copy
                 self._queue.task_done()

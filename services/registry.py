@@ -39,7 +39,7 @@ from mlflow.entities.model_registry import ModelVersion, RegisteredModel  # noqa
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from services import auth  # noqa: E402
+from services import auth, procs  # noqa: E402
 
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
@@ -572,13 +572,7 @@ def _owner_gone(tags: dict[str, str]) -> bool:
     host, _, pid = tags.get("owner", "").rpartition(":")
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    return not procs.pid_alive(int(pid))
 
 
 def current_lock(client: MlflowClient, key: str, purpose: str = "retrain") -> dict[str, str] | None:

@@ -210,6 +210,30 @@ def split_s3(location: str, option: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
+def download_folder(location: str, dest: Path, *, option: str = "--checkpoint") -> Path:
+    """Copy every object under ``s3://bucket/prefix/`` into ``dest`` (a Ray checkpoint folder,
+    say); the endpoint and keys come from the environment. Returns ``dest``."""
+    bucket, prefix = split_s3(location, option)
+    s3 = s3_client()
+    found = 0
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(prefix) + 1 :]
+                if not rel or rel.endswith("/") or ".." in rel.split("/"):
+                    continue
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                s3.download_file(bucket, obj["Key"], str(dest / rel))
+                found += 1
+    except SnapshotError:
+        raise
+    except Exception as exc:  # unreachable endpoint, refused keys, no bucket: one line
+        raise SnapshotError(f"{option} {location}: cannot download: {exc}") from exc
+    if not found:
+        raise SnapshotError(f"{option} {location}: no object under that prefix")
+    return dest
+
+
 def _key(prefix: str, rel: str) -> str:
     return f"{prefix}/{rel}" if prefix else rel
 

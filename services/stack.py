@@ -1,11 +1,18 @@
-"""The local tracking stack: an S3-compatible server and an MLflow server on 127.0.0.1.
+"""The local tracking stack on 127.0.0.1: PostgreSQL, a durable S3-compatible server, MLflow.
 
-``proxydml stack up|down|status`` and the tests drive the same :class:`Stack`:
+``proxydml stack up|down|status|backup|restore`` and the tests drive the same :class:`Stack`.
+It keeps what it stores: every service keeps its data in the state folder, and ``stack up``
+brings the same data back after ``down``, a crash or a reboot.
 
-- ``s3``: MinIO when a ``minio`` binary is on PATH, else moto's standalone S3 server (PyPI);
-  the bucket is created with boto3 once the endpoint answers.
-- ``mlflow``: ``mlflow server`` with a sqlite store under the state folder (or the URI in
-  $PROXYDML_STACK_BACKEND_STORE_URI, e.g. PostgreSQL) and ``--artifacts-destination
+- ``db``: PostgreSQL (``services/postgres.py``), MLflow's tracking store and the auth app's
+  user store. ``stack up --single-user`` uses a sqlite file instead (one user: sqlite takes
+  one writer at a time), and $PROXYDML_STACK_BACKEND_STORE_URI points MLflow at a database
+  the stack does not run.
+- ``s3``: MinIO when a ``minio`` binary is on PATH, else OpenStack Swift with its S3 API
+  (``services/swift.py``); both keep objects on disk. ``stack up`` refuses to start when
+  neither is installed. moto (objects in memory) is only for throw-away test stacks
+  (``s3_server="moto"``).
+- ``mlflow``: ``mlflow server`` on that store with ``--artifacts-destination
   s3://BUCKET/artifacts``. The S3 endpoint and keys live only in the server's environment:
   clients upload artifacts through the server and need no S3 credentials.
 
@@ -16,10 +23,10 @@ keys, never printed), and ``proxydml stack user add NAME --role ROLE`` creates u
 roles of ``services/auth.py``. Without ``auth`` anyone who reaches the port can do anything:
 that stack is for one machine only.
 
-Everything (pid files, logs, the sqlite store, the 0600 credentials files, ``stack.json`` with
-the ports) lives in one state folder, default ``.proxydml/stack``. Every server listens on
-127.0.0.1 only. Each service runs in its own session (process group), so ``down`` stops the
-server with every child it spawned (MLflow's uvicorn) and the processes outlive the CLI.
+Everything (pid files, logs, the database, the objects, the 0600 credentials files,
+``stack.json`` with the ports) lives in one state folder, default ``.proxydml/stack``. Every
+server listens on 127.0.0.1 only and runs in its own session (``services/procs.py``), so
+``down`` stops it with every child it spawned and the processes outlive the CLI.
 
 :meth:`Stack.ray_storage` gives Ray Train a ``(storage_path, pyarrow S3FileSystem)`` pair on
 the same S3 server. S3 clients, the retrying filesystem and the endpoint lookup live in
@@ -29,10 +36,12 @@ the same S3 server. S3 clients, the retrying filesystem and the endpoint lookup 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -43,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from services import auth
+from services import auth, postgres, procs, swift
 from services.net import HOST, free_port, port_in_use
 from services.s3 import Credentials, ray_storage, s3_client
 from services.uris import redact
@@ -55,20 +64,28 @@ DEFAULT_STATE_DIR = Path(".proxydml/stack")
 DEFAULT_S3_PORT = 9000
 DEFAULT_MLFLOW_PORT = 5000
 DEFAULT_BUCKET = "proxydml"
-SERVICES = ("s3", "mlflow")
+SERVICES = ("db", "s3", "mlflow")  # start order; "db" only for a PostgreSQL store
+STORES = ("postgresql", "sqlite")
+S3_SERVERS = ("minio", "swift", "moto")
 BACKEND_URI_ENV = "PROXYDML_STACK_BACKEND_STORE_URI"
 CREDENTIALS_FILE = "credentials.env"
 STATE_FILE = "stack.json"
+BACKUP_MANIFEST = "backup.json"
 # --auth: the admin login and the server's CSRF key (mode 0600), the auth app's config (no
-# secret in it), its user store, and one MLflow credentials file per user added here.
+# secret in it), and one MLflow credentials file per user added here.
 ADMIN_FILE = "mlflow-admin.env"
 AUTH_CONFIG_FILE = "basic_auth.ini"
-AUTH_DB_FILE = "basic_auth.db"
+AUTH_DB_FILE = "basic_auth.db"  # a user store of a stack started before --auth needed PostgreSQL
 USERS_DIR = "users"
 _FLASK_KEY_ENV = "MLFLOW_FLASK_SERVER_SECRET_KEY"
 # Substrings of the command line that identify our servers: a pid file whose pid now belongs
 # to an unrelated process (pid reuse after a reboot) must not be reported as up nor killed.
-_CMDLINE_MARKERS = {"s3": ("moto", "minio"), "mlflow": ("mlflow",)}
+_CMDLINE_MARKERS = {"db": ("postgres",), "s3": ("moto", "minio", "services.swift"), "mlflow": ("mlflow",)}
+# MLflow server sizing for a team's load on PostgreSQL (measured in tests/benchmarks/
+# bench_tracking_load.py): 2 uvicorn workers on 2 cores, each with a 10 + 20 connection pool
+# (30 s wait), well inside postgres.MAX_CONNECTIONS. sqlite serialises writers anyway: 1 worker.
+MLFLOW_WORKERS = {"postgresql": 2, "sqlite": 1, "external": 1}
+MLFLOW_POOL = {"MLFLOW_SQLALCHEMYSTORE_POOL_SIZE": "10", "MLFLOW_SQLALCHEMYSTORE_MAX_OVERFLOW": "20"}
 
 
 class StackError(RuntimeError):
@@ -104,99 +121,17 @@ def _http_answers(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-# ---------------------------------------------------------------- processes -------------------
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, process group) from /proc, or None when the process is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may contain spaces: split after the last ')'.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return fields[0], int(fields[2])
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status if ``pid`` is our own child, so it does not linger as a zombie."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # not our child: init reaps it
-        pass
-
-
-def _pid_alive(pid: int) -> bool:
-    _reap(pid)
-    if Path("/proc").is_dir():
-        stat = _proc_stat(pid)
-        return stat is not None and stat[0] not in ("Z", "X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def process_group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is left in the process group."""
-    _reap(pgid)
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat and stat[1] == pgid and stat[0] not in ("Z", "X"):
-                return True
-    return False
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_group_alive(pgid):
-            return True
-        time.sleep(0.1)
-    return not process_group_alive(pgid)
-
-
 # ---------------------------------------------------------------- the stack -------------------
 
 
 class Stack:
-    """The local S3 + MLflow stack rooted at one state folder.
+    """The local PostgreSQL + S3 + MLflow stack rooted at one state folder.
 
     Ports: an explicit value wins; ``None`` reuses the ports recorded by the last ``up`` in
-    this state folder (so ``status``/``down`` need no flags), else the defaults 9000 / 5000;
-    ``0`` picks a free port at start (tests).
+    this state folder (so ``status``/``down`` need no flags), else the defaults 9000 / 5000
+    (PostgreSQL: a free port, then kept); ``0`` picks a free port at start (tests).
+    The store (``postgresql`` or ``sqlite``), the S3 server and ``auth`` are remembered the same
+    way: a later plain ``up`` serves the same data with the same servers.
     """
 
     def __init__(
@@ -205,7 +140,9 @@ class Stack:
         *,
         s3_port: int | None = None,
         mlflow_port: int | None = None,
+        db_port: int | None = None,
         bucket: str | None = None,
+        store: str | None = None,
         backend_store_uri: str | None = None,
         credentials: Credentials | None = None,
         s3_server: str | None = None,
@@ -216,16 +153,22 @@ class Stack:
         self.state_dir = Path(state_dir).absolute()
         saved = self._load_state()
         self._ports = {
+            "db": db_port if db_port is not None else int(saved.get("db_port", 0)),
             "s3": s3_port if s3_port is not None else int(saved.get("s3_port", DEFAULT_S3_PORT)),
             "mlflow": mlflow_port if mlflow_port is not None else int(saved.get("mlflow_port", DEFAULT_MLFLOW_PORT)),
         }
         self.bucket = bucket or saved.get("bucket") or DEFAULT_BUCKET
-        # Not persisted: a PostgreSQL URI carries a password and stack.json is not secret.
-        self.backend_store_uri = (
-            backend_store_uri or os.environ.get(BACKEND_URI_ENV) or f"sqlite:///{self.state_dir / 'mlflow.db'}"
-        )
+        # Not persisted: an external URI may carry a password and stack.json is not secret.
+        self._external_uri = backend_store_uri or os.environ.get(BACKEND_URI_ENV)
+        if store is not None and store not in STORES:
+            raise StackError(f"unknown store {store!r}; expected one of {STORES}")
+        # A state folder from before PostgreSQL was the default keeps its sqlite database.
+        legacy = "sqlite" if (self.state_dir / "mlflow.db").exists() else None
+        self.store = "external" if self._external_uri else (store or saved.get("store") or legacy or "postgresql")
+        if s3_server is not None and s3_server not in S3_SERVERS:
+            raise StackError(f"unknown S3 server {s3_server!r}; expected one of {S3_SERVERS}")
+        self.s3_server = s3_server or saved.get("s3_server") or self._durable_s3_server()
         self._explicit_credentials = credentials
-        self.s3_server = s3_server or saved.get("s3_server") or ("minio" if shutil.which("minio") else "moto")
         # Like the ports, auth is remembered: a later plain ``up`` never drops authentication.
         self._saved_auth = bool(saved.get("auth", False))
         self.auth = self._saved_auth if auth is None else auth
@@ -233,7 +176,19 @@ class Stack:
         self.stop_timeout = stop_timeout
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
+    @staticmethod
+    def _durable_s3_server() -> str:
+        """MinIO when installed, else Swift; '' when neither is (``up`` then refuses)."""
+        if shutil.which("minio"):
+            return "minio"
+        return "swift" if swift.installed() else ""
+
     # -------------------------------------------------------------- properties --------------
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """The services this stack runs, in start order."""
+        return SERVICES if self.store == "postgresql" else SERVICES[1:]
 
     @property
     def s3_port(self) -> int:
@@ -246,6 +201,11 @@ class Stack:
         return self._port("mlflow")
 
     @property
+    def db_port(self) -> int:
+        """PostgreSQL's port."""
+        return self._port("db")
+
+    @property
     def s3_endpoint(self) -> str:
         """``http://127.0.0.1:PORT`` of the S3-compatible server."""
         return f"http://{HOST}:{self.s3_port}"
@@ -256,18 +216,30 @@ class Stack:
         return f"http://{HOST}:{self.mlflow_port}"
 
     @property
+    def backend_store_uri(self) -> str:
+        """MLflow's tracking store (a PostgreSQL URI carries no password: see services/postgres.py)."""
+        if self.store == "external":
+            assert self._external_uri is not None
+            return self._external_uri
+        if self.store == "postgresql":
+            return postgres.uri(self.db_port, "mlflow")
+        return f"sqlite:///{self.state_dir / 'mlflow.db'}"
+
+    @property
     def credentials(self) -> Credentials:
-        """The S3 keys: those the running servers were started with, else explicit, else
-        $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY, else generated test keys."""
-        if self._any_running():
-            saved = self._load_credentials()
-            if saved is not None:
-                return saved
-        creds = self._explicit_credentials or Credentials.from_env() or self._load_credentials()
-        if creds is None:
-            creds = Credentials.generate()
-        self._explicit_credentials = self._explicit_credentials or creds  # stable for this object
-        return creds
+        """The S3 keys: those the running servers were started with, else explicit, else the
+        ones this state folder was last started with, else generated keys.
+
+        The stack's keys are its own: keys exported for another S3 (a cloud profile) are not
+        taken, so a team's local server never serves under a cloud key.
+        """
+        saved = self._load_credentials()
+        if saved is not None and (self._any_running() or self._explicit_credentials is None):
+            return saved
+        if self._explicit_credentials is None:
+            self._explicit_credentials = (swift.generate_credentials() if self.s3_server == "swift"
+                                          else Credentials.generate())
+        return self._explicit_credentials
 
     def admin_login(self) -> tuple[str, str]:
         """(username, password) of the MLflow admin of an ``auth`` stack (from its 0600 file)."""
@@ -335,33 +307,46 @@ class Stack:
 
     def up(self) -> list[str]:
         """Start whatever is not running; returns one message per service. Idempotent."""
+        self._check_servers()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if self.is_running("mlflow") and self.auth != self._saved_auth:
             raise StackError(f"mlflow is running {'without' if self._saved_auth is False else 'with'} authentication; "
                              f"stop it first (proxydml stack down --state-dir {self.state_dir})")
         # Check every port before starting anything, so a conflict leaves nothing half started.
-        for name in SERVICES:
+        for name in self.services:
             if not self.is_running(name) and self._ports[name] and port_in_use(self._ports[name]):
                 raise StackError(self._port_message(name))
-        return [self.start_service(name) for name in SERVICES]
+        return [self.start_service(name) for name in self.services]
 
     def down(self) -> list[str]:
-        """Stop MLflow then S3 (MLflow may be mid-upload); removes the pid files."""
-        return [self.stop_service(name) for name in reversed(SERVICES)]
+        """Stop MLflow, then S3, then the database (each may be mid-write for the one before)."""
+        return [self.stop_service(name) for name in reversed(self.services)]
 
     def status(self) -> dict[str, ServiceStatus]:
-        """Each service: running (pid alive), healthy (its endpoint answers) and URL."""
+        """Each service: running (pid alive), healthy (its endpoint answers), URL, and which
+        server it is with where its data lives."""
         out = {}
-        for name in SERVICES:
+        for name in self.services:
             pid = self._read_pid(name)
             running = pid is not None and self._is_ours(name, pid)
-            url = self.s3_endpoint if name == "s3" else self.tracking_uri
             healthy = running and self._healthy(name, timeout=1.0)
-            detail = self.s3_server if name == "s3" else f"store {redact(self.backend_store_uri)}"
-            if name == "mlflow" and self.auth:
-                detail += ", basic-auth"
-            out[name] = ServiceStatus(name, running, pid if running else None, url, healthy, detail)
+            out[name] = ServiceStatus(name, running, pid if running else None, self._url(name), healthy,
+                                      self._detail(name))
         return out
+
+    def _detail(self, name: str) -> str:
+        if name == "db":
+            return f"postgresql {postgres.version()}, data in {self.state_dir / 'postgres'}"
+        if name == "s3":
+            where = {"swift": f"objects in {self.state_dir / 'swift' / 'node'}",
+                     "minio": f"objects in {self.state_dir / 'minio-data'}",
+                     "moto": "objects in memory: lost when it stops"}
+            return f"{self.s3_server}, {where.get(self.s3_server, '')}"
+        if self.store == "sqlite":
+            detail = f"store sqlite {self.state_dir / 'mlflow.db'} (one user)"
+        else:
+            detail = f"store {redact(self.backend_store_uri)}"
+        return detail + (", basic-auth" if self.auth else "")
 
     def is_running(self, name: str) -> bool:
         """Whether the pid file names a live process that is this service's server."""
@@ -373,6 +358,7 @@ class Stack:
         self._check_name(name)
         if self.is_running(name):
             return f"{name} already running at {self._url(name)} (pid {self._read_pid(name)})"
+        self._check_servers()
         self.pid_file(name).unlink(missing_ok=True)  # stale: its process is gone
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if self._ports[name] == 0:
@@ -382,22 +368,26 @@ class Stack:
         creds = self.credentials
         self._write_credentials(creds)
         self._save_state()
-        cmd, env = self._s3_command(creds) if name == "s3" else self._mlflow_command(creds)
+        cmd, env, extra = self._command(name, creds)
         log = self.log_file(name)
         started = time.monotonic()
+        if name == "db":
+            postgres.wait_old_server_gone(self.state_dir / "postgres")
         with log.open("ab") as fh:
-            # The command line holds no secret (keys go through the environment only).
+            # The command line holds no secret (keys and passwords go through files and env only).
             fh.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             fh.flush()
             proc = subprocess.Popen(
                 cmd, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                cwd=self.state_dir, start_new_session=True,
+                cwd=self.state_dir, start_new_session=True, **extra,  # type: ignore[arg-type]
             )
         self._procs[name] = proc
         self.pid_file(name).write_text(f"{proc.pid}\n")
         try:
             self._wait_healthy(name, proc)
-            if name == "s3":
+            if name == "db":
+                postgres.ensure_databases(self.state_dir, self.db_port)
+            elif name == "s3":
                 self._ensure_bucket(creds)
             elif self.auth:
                 auth.AuthAdmin(self.tracking_uri, *self.admin_login()).ensure_roles()
@@ -407,7 +397,7 @@ class Stack:
         return f"{name} started at {self._url(name)} (pid {proc.pid}) in {time.monotonic() - started:.1f} s"
 
     def stop_service(self, name: str) -> str:
-        """SIGTERM to the service's process group, SIGKILL after ``stop_timeout``."""
+        """Stop the service's process group (SIGKILL after ``stop_timeout``)."""
         self._check_name(name)
         pid = self._read_pid(name)
         if pid is None or not self._is_ours(name, pid):
@@ -416,21 +406,157 @@ class Stack:
         how = self._terminate(name, pid)
         return f"{name} stopped (pid {pid}{', killed' if how == 'killed' else ''})"
 
+    def kill_service(self, name: str) -> None:
+        """SIGKILL the service's whole process group, as a crash or a power cut would (tests,
+        drills). The pid file stays, as it would; the next ``up`` finds it stale."""
+        pid = self._read_pid(name)
+        if pid is not None and self._is_ours(name, pid):
+            procs.signal_group(pid, signal.SIGKILL)
+            procs.wait_gone(pid, 10.0)
+            if name == "s3" and self.s3_server == "swift":
+                self._wait_ports_free(swift.ring_ports(self.state_dir / "swift").values())
+
+    # -------------------------------------------------------------- backup ------------------
+
+    def backup(self, dest: str | os.PathLike[str]) -> dict[str, Any]:
+        """Copy the tracking database and every object of the bucket into ``dest`` (a new or
+        empty folder), with a manifest of each object's size and sha256; returns the manifest.
+
+        Written into ``dest.partial`` and renamed at the end: a failed backup leaves no folder
+        that looks complete. The folder holds the stack's secrets (the MLflow admin login of an
+        ``auth`` stack): it is created with mode 0700.
+        """
+        target = Path(dest).absolute()
+        if target.exists() and any(target.iterdir()):
+            raise StackError(f"backup folder {target} is not empty; give a new folder")
+        self._require_running(("db", "s3") if self.store == "postgresql" else ("s3",), "backup")
+        if self.store == "external":
+            raise StackError("this stack's MLflow store is external ($PROXYDML_STACK_BACKEND_STORE_URI): back it up "
+                             "with that database's own tools")
+        work = target.with_name(target.name + ".partial")
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "db").mkdir(parents=True, mode=0o700)
+        work.chmod(0o700)
+        databases = []
+        if self.store == "postgresql":
+            for db in postgres.DATABASES:
+                postgres.dump(self.state_dir, self.db_port, db, work / "db" / f"{db}.dump")
+                databases.append(db)
+        else:
+            # sqlite's online backup: a consistent copy even while the server writes.
+            src = sqlite3.connect(self.state_dir / "mlflow.db")
+            dst = sqlite3.connect(work / "db" / "mlflow.sqlite")
+            with dst:
+                src.backup(dst)
+            src.close()
+            dst.close()
+            databases.append("mlflow.sqlite")
+        objects = {}
+        s3 = s3_client(self.s3_endpoint, self.credentials)
+        for key in _bucket_keys(s3, self.bucket):
+            path = work / "objects" / _safe_key(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(self.bucket, key, str(path))
+            objects[key] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for name in (ADMIN_FILE,):
+            if (self.state_dir / name).exists():
+                shutil.copy2(self.state_dir / name, work / name)
+        if (self.state_dir / USERS_DIR).is_dir():
+            shutil.copytree(self.state_dir / USERS_DIR, work / USERS_DIR)
+        manifest = {"format": 1, "store": self.store, "bucket": self.bucket, "auth": self.auth,
+                    "databases": databases, "objects": objects}
+        (work / BACKUP_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if target.exists():
+            target.rmdir()
+        work.rename(target)
+        return manifest
+
+    def restore(self, src: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a :meth:`backup` into this stack: the database is replaced, the objects are
+        uploaded into the bucket (their checksums verified before anything is touched), and
+        MLflow is restarted on the result. Returns the backup's manifest."""
+        source = Path(src).absolute()
+        try:
+            manifest = json.loads((source / BACKUP_MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            raise StackError(f"{source} is not a stack backup (no readable {BACKUP_MANIFEST}: {exc})") from exc
+        if manifest.get("store") != self.store:
+            raise StackError(f"the backup holds a {manifest.get('store')} store and this stack runs {self.store}; "
+                             f"restore into a stack with the same store (--single-user is sqlite)")
+        for key, meta in manifest["objects"].items():  # verify everything before changing anything
+            path = source / "objects" / _safe_key(key)
+            if not path.is_file() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+                raise StackError(f"backup object {key} is missing or damaged in {source}; nothing was restored")
+        if manifest.get("auth") and not self.auth:
+            self.auth = True
+        for name in (ADMIN_FILE,):
+            if (source / name).exists():
+                shutil.copy2(source / name, self.state_dir / name)
+                (self.state_dir / name).chmod(0o600)
+        if (source / USERS_DIR).is_dir():
+            shutil.copytree(source / USERS_DIR, self.state_dir / USERS_DIR, dirs_exist_ok=True)
+        self.stop_service("mlflow")
+        for name in self.services[:-1]:
+            self.start_service(name)
+        if self.store == "postgresql":
+            for db in manifest["databases"]:
+                postgres.restore(self.state_dir, self.db_port, db, source / "db" / f"{db}.dump")
+        else:
+            shutil.copy2(source / "db" / "mlflow.sqlite", self.state_dir / "mlflow.db")
+        s3 = s3_client(self.s3_endpoint, self.credentials)
+        for key in manifest["objects"]:
+            s3.upload_file(str(source / "objects" / _safe_key(key)), self.bucket, key)
+        self.start_service("mlflow")
+        return manifest
+
     # -------------------------------------------------------------- internals ---------------
+
+    def _check_servers(self) -> None:
+        """Refuse, naming what to install, rather than fall back to a store that forgets."""
+        if not self.s3_server:
+            raise StackError("no durable S3-compatible server is installed: the stack uses MinIO (a `minio` binary on "
+                             "PATH) or OpenStack Swift (pip install swift, installed with proxydml)")
+        if self.s3_server == "swift" and not swift.installed():
+            raise StackError("this stack's objects are in OpenStack Swift, which is not installed: pip install swift")
+        if self.store == "postgresql" and not postgres.installed():
+            raise StackError(f"the stack's MLflow store is PostgreSQL, which is not installed here: "
+                             f"{postgres.INSTALL_HINT}; or run a one-user stack on sqlite: proxydml stack up --single-user")
+        if self.auth and self.store == "sqlite":
+            raise StackError("stack up --auth serves a team and keeps its users in PostgreSQL; this stack runs sqlite "
+                             "(--single-user). Back it up, then restore it into a PostgreSQL stack")
+
+    def _require_running(self, names: tuple[str, ...], what: str) -> None:
+        down = [n for n in names if not self.is_running(n)]
+        if down:
+            raise StackError(f"{what} needs {', '.join(down)} running: proxydml stack up --state-dir {self.state_dir}")
+
+    @staticmethod
+    def _wait_ports_free(ports: Any, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _terminate(self, name: str, pid: int) -> str:
         # start_new_session made the server its group leader: pgid == pid.
-        _signal_group(pid, signal.SIGTERM)
-        how = "terminated"
-        if not _wait_gone(pid, self.stop_timeout):
-            _signal_group(pid, signal.SIGKILL)
-            how = "killed"
-            _wait_gone(pid, 5.0)
+        first = signal.SIGINT if name == "db" else signal.SIGTERM  # PostgreSQL: fast shutdown
+        how = procs.stop_group(pid, self.stop_timeout, first)
         proc = self._procs.pop(name, None)
         if proc is not None:
-            proc.poll()  # sets returncode; the pid was possibly reaped by _reap already
+            proc.poll()  # sets returncode; the pid was possibly reaped already
         self.pid_file(name).unlink(missing_ok=True)
         return how
+
+    def _command(self, name: str, creds: Credentials) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+        """(command, environment, further Popen arguments) of one service."""
+        if name == "db":
+            try:
+                postgres.initialise(self.state_dir / "postgres", self.state_dir, self.db_port)
+            except (RuntimeError, PermissionError) as exc:
+                raise StackError(str(exc)) from exc
+            return postgres.command(self.state_dir / "postgres", self.db_port), self._base_env(), postgres.popen_user()
+        if name == "s3":
+            return (*self._s3_command(creds), {})
+        return (*self._mlflow_command(creds), {})
 
     def _s3_command(self, creds: Credentials) -> tuple[list[str], dict[str, str]]:
         env = self._base_env()
@@ -441,25 +567,33 @@ class Stack:
             env.update(MINIO_ROOT_USER=creds.access_key, MINIO_ROOT_PASSWORD=creds.secret_key,
                        MINIO_REGION=creds.region, MINIO_BROWSER="off")
             minio = shutil.which("minio") or "minio"
-            cmd = [minio, "server", str(data), "--address", f"{HOST}:{port}",
-                   "--console-address", f"{HOST}:{free_port()}"]
-        else:
-            # moto accepts any keys; it keeps objects in memory (lost when s3 restarts).
-            cmd = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)]
-        return cmd, env
+            return [minio, "server", str(data), "--address", f"{HOST}:{port}",
+                    "--console-address", f"{HOST}:{free_port()}"], env
+        if self.s3_server == "swift":
+            root = self.state_dir / "swift"
+            try:
+                swift.prepare(root, port, creds)
+            except ValueError as exc:
+                raise StackError(str(exc)) from exc
+            return swift.command(root), env
+        # moto accepts any keys; it keeps objects in memory (lost when s3 restarts): tests only.
+        return [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(port)], env
 
     def _mlflow_command(self, creds: Credentials) -> tuple[list[str], dict[str, str]]:
         env = self._base_env()
         env.update(creds.env())
         env.update(
             MLFLOW_S3_ENDPOINT_URL=self.s3_endpoint,
-            # One worker and no job runner: 12 s and ~0.4 GB instead of 27 s and 2.4 GB (STACK.md).
+            # No job runner: it adds processes and memory a tracking server does not need.
             MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+            **MLFLOW_POOL,
         )
+        if self.store == "postgresql":
+            env.update(postgres.client_env(self.state_dir))
         cmd = [
             sys.executable, "-m", "mlflow", "server",
             "--artifacts-destination", f"s3://{self.bucket}/artifacts",
-            "--host", HOST, "--port", str(self._ports["mlflow"]), "--workers", "1",
+            "--host", HOST, "--port", str(self._ports["mlflow"]), "--workers", str(MLFLOW_WORKERS[self.store]),
         ]
         if self.auth:
             cmd += ["--app-name", "basic-auth", "--enable-workspaces"]
@@ -493,9 +627,9 @@ class Stack:
         secrets_file = self.state_dir / ADMIN_FILE
         values = _read_env_file(secrets_file)
         if not values.get("MLFLOW_TRACKING_PASSWORD"):
-            if (self.state_dir / AUTH_DB_FILE).exists():
+            if (self.state_dir / "postgres" / "PG_VERSION").exists() or (self.state_dir / AUTH_DB_FILE).exists():
                 # MLflow creates the admin once, with the password it is given then.
-                raise StackError(f"{self.state_dir / AUTH_DB_FILE} exists but its admin password "
+                raise StackError(f"{self.state_dir} holds a user store but its admin password "
                                  f"({secrets_file}) is gone; restore that file, or delete the user store to "
                                  "start over without users")
             values = {"MLFLOW_TRACKING_USERNAME": auth.ADMIN_USERNAME,
@@ -510,7 +644,7 @@ class Stack:
             # Members of the workspace (trainers, maintainers) read what they are not granted;
             # readers hold explicit READ grants and no membership (services/auth.py).
             "default_permission = READ\n"
-            f"database_uri = sqlite:///{self.state_dir / AUTH_DB_FILE}\n"
+            f"database_uri = {self._auth_database_uri()}\n"
             f"admin_username = {values.get('MLFLOW_TRACKING_USERNAME', auth.ADMIN_USERNAME)}\n"
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
             "grant_default_workspace_access = false\n"
@@ -523,23 +657,30 @@ class Stack:
                 "MLFLOW_AUTH_ADMIN_PASSWORD": values["MLFLOW_TRACKING_PASSWORD"],
                 _FLASK_KEY_ENV: values.get(_FLASK_KEY_ENV) or auth.generate_password()}
 
+    def _auth_database_uri(self) -> str:
+        if self.store == "postgresql":  # no password in the URI: libpq reads $PGPASSFILE
+            return postgres.uri(self.db_port, "mlflow_auth")
+        return f"sqlite:///{self.state_dir / AUTH_DB_FILE}"  # an external store keeps the old layout
+
     def _wait_healthy(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise StackError(
                     f"{name} exited with code {proc.returncode} while starting; "
-                    f"last lines of {self.log_file(name)}:\n{_tail(self.log_file(name))}"
+                    f"last lines of {self.log_file(name)}:\n{procs.tail(self.log_file(name))}"
                 )
             if self._healthy(name, timeout=1.0):
                 return
             time.sleep(0.25)
         raise StackError(
             f"{name} did not answer at {self._url(name)} within {self.start_timeout:.0f} s; "
-            f"last lines of {self.log_file(name)}:\n{_tail(self.log_file(name))}"
+            f"last lines of {self.log_file(name)}:\n{procs.tail(self.log_file(name))}"
         )
 
     def _healthy(self, name: str, timeout: float) -> bool:
+        if name == "db":
+            return postgres.healthy(self.state_dir, self.db_port, timeout)
         if name == "mlflow":
             try:
                 with urllib.request.urlopen(f"{self.tracking_uri}/health", timeout=timeout) as r:
@@ -548,6 +689,12 @@ class Stack:
                 return False
         if self.s3_server == "minio":
             return _http_answers(f"{self.s3_endpoint}/minio/health/live", timeout)
+        if self.s3_server == "swift":
+            try:
+                with urllib.request.urlopen(f"{self.s3_endpoint}/healthcheck", timeout=timeout) as r:
+                    return r.status == 200
+            except (OSError, ValueError):
+                return False
         return _http_answers(f"{self.s3_endpoint}/", timeout)
 
     def _ensure_bucket(self, creds: Credentials) -> None:
@@ -558,12 +705,12 @@ class Stack:
             s3.create_bucket(Bucket=self.bucket)
 
     def _any_running(self) -> bool:
-        return any(self.is_running(n) for n in SERVICES)
+        return any(self.is_running(n) for n in self.services)
 
     def _is_ours(self, name: str, pid: int) -> bool:
-        if not _pid_alive(pid):
+        if not procs.pid_alive(pid):
             return False
-        cmdline = _cmdline(pid)
+        cmdline = procs.cmdline(pid)
         return not cmdline or any(m in cmdline for m in _CMDLINE_MARKERS[name])
 
     def _read_pid(self, name: str) -> int | None:
@@ -578,6 +725,8 @@ class Stack:
         return self._ports[name]
 
     def _url(self, name: str) -> str:
+        if name == "db":
+            return f"postgresql://{HOST}:{self._ports['db']}"
         return self.s3_endpoint if name == "s3" else self.tracking_uri
 
     def _port_message(self, name: str) -> str:
@@ -585,10 +734,9 @@ class Stack:
         return (f"port {self._ports[name]} on {HOST} is already in use by another process, so {name} "
                 f"cannot start; stop that process or choose another port ({flag} N)")
 
-    @staticmethod
-    def _check_name(name: str) -> None:
-        if name not in SERVICES:
-            raise ValueError(f"unknown service {name!r}; expected one of {SERVICES}")
+    def _check_name(self, name: str) -> None:
+        if name not in self.services:
+            raise ValueError(f"unknown service {name!r}; this stack runs {self.services}")
 
     def _load_state(self) -> dict[str, Any]:
         try:
@@ -597,9 +745,11 @@ class Stack:
             return {}
 
     def _save_state(self) -> None:
-        # Only non-secret facts: ports, bucket, server kind.
-        state = {"s3_port": self._ports["s3"], "mlflow_port": self._ports["mlflow"],
+        # Only non-secret facts: ports, bucket, server kinds.
+        state = {"s3_port": self._ports["s3"], "mlflow_port": self._ports["mlflow"], "db_port": self._ports["db"],
                  "bucket": self.bucket, "s3_server": self.s3_server, "auth": self.auth}
+        if self.store != "external":
+            state["store"] = self.store
         self._saved_auth = self.auth
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
 
@@ -609,6 +759,30 @@ class Stack:
 
     def _write_credentials(self, creds: Credentials) -> None:
         _write_env_file(self.state_dir / CREDENTIALS_FILE, creds.env())
+
+
+def _bucket_keys(s3: Any, bucket: str) -> list[str]:
+    """Every object key of ``bucket`` (all pages)."""
+    keys: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return keys
+
+
+def _safe_key(key: str) -> str:
+    """An object key as a relative path inside a backup (a key that climbs out is refused)."""
+    parts = [p for p in key.split("/") if p]
+    if any(p in (".", "..") for p in parts) or not parts:
+        raise StackError(f"object key {key!r} cannot be stored as a file; rename it before backing up")
+    return "/".join(parts) + ("/.object" if key.endswith("/") else "")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -640,18 +814,28 @@ def _read_env_file(path: Path) -> dict[str, str]:
 
 
 def cli(action: str, state_dir: str | None = None, s3_port: int | None = None,
-        mlflow_port: int | None = None, *, auth_on: bool = False) -> int:
-    """``proxydml stack up [--auth]|down|status``; returns the exit code (errors raise StackError).
+        mlflow_port: int | None = None, *, auth_on: bool = False, single_user: bool = False,
+        folder: str | None = None) -> int:
+    """``proxydml stack up [--auth] [--single-user]|down|status|backup DIR|restore DIR``;
+    returns the exit code (errors raise StackError).
 
     ``auth_on``: ``up --auth``; without it ``up`` keeps what this state folder had.
+    ``single_user``: a new stack on sqlite instead of PostgreSQL.
     """
+    if single_user and auth_on:
+        raise StackError("--auth serves a team and needs PostgreSQL; --single-user is sqlite: choose one")
     stack = Stack(state_dir or DEFAULT_STATE_DIR, s3_port=s3_port, mlflow_port=mlflow_port,
-                  auth=True if auth_on else None)
+                  auth=True if auth_on else None, store="sqlite" if single_user else None)
     if action == "up":
         started = time.monotonic()
         for msg in stack.up():
             print(msg, flush=True)
         print(f"stack up in {time.monotonic() - started:.1f} s; state in {stack.state_dir}")
+        if stack.store == "sqlite":
+            print("# sqlite store: for one user (it takes one writer at a time); a team runs PostgreSQL "
+                  "(the default without --single-user)")
+        if stack.s3_server == "moto":
+            print("# moto keeps objects in memory: they are lost when the stack stops")
         if stack.auth:
             print("\n# MLflow asks every client for a login (basic auth). The admin login is in "
                   f"{stack.state_dir / ADMIN_FILE} (mode 0600; the password is not shown).")
@@ -678,6 +862,23 @@ def cli(action: str, state_dir: str | None = None, s3_port: int | None = None,
         for st in statuses:
             print(st.line())
         return 0 if all(st.healthy for st in statuses) else 3
+    if action == "backup":
+        assert folder is not None
+        started = time.monotonic()
+        manifest = stack.backup(folder)
+        size = sum(o["size"] for o in manifest["objects"].values())
+        print(f"backup of {stack.state_dir} in {folder}: {', '.join(manifest['databases'])} and "
+              f"{len(manifest['objects'])} objects ({size / 1e6:.1f} MB) in {time.monotonic() - started:.1f} s")
+        return 0
+    if action == "restore":
+        assert folder is not None
+        started = time.monotonic()
+        manifest = stack.restore(folder)
+        print(f"restored {folder} into {stack.state_dir}: {', '.join(manifest['databases'])} and "
+              f"{len(manifest['objects'])} objects in {time.monotonic() - started:.1f} s")
+        for st in stack.status().values():
+            print(st.line())
+        return 0
     raise ValueError(f"unknown stack action {action!r}")
 
 

@@ -50,18 +50,32 @@ def local_mlflow(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def make_stack(tmp_path_factory):
-    """Starts real local stacks (moto S3 + MLflow server on 127.0.0.1, free ports) with the
-    given credentials; every one is stopped when the module ends. Each test module keeps its
-    own test keys, so a secret scan can tell whose keys leaked."""
+def make_stack():
+    """Starts real local stacks (MLflow server + S3 on 127.0.0.1, free ports) with the given
+    credentials; every one is stopped when the module ends. Each test module keeps its own
+    test keys, so a secret scan can tell whose keys leaked.
+
+    Default: a throw-away stack (moto S3 in memory, sqlite store), the cheapest to start.
+    ``durable=True``: the stack users get (PostgreSQL + Swift, data on disk). The state
+    folders live under a world-traversable temporary folder, because PostgreSQL runs as its
+    own account when the tests run as root.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     from services.stack import Stack
 
+    base = Path(tempfile.mkdtemp(prefix="proxydml-stacks-"))
+    base.chmod(0o755)
     started = []
 
-    def make(credentials, start_timeout: float = 120, **options):
+    def make(credentials, start_timeout: float = 120, durable: bool = False, **options):
         # options: further Stack arguments, e.g. auth=True (MLflow with basic auth).
-        st = Stack(tmp_path_factory.mktemp("stack"), s3_port=0, mlflow_port=0, credentials=credentials,
-                   s3_server="moto", start_timeout=start_timeout, **options)
+        kinds = {"s3_server": "swift", "store": "postgresql"} if durable else {"s3_server": "moto", "store": "sqlite"}
+        st = Stack(tempfile.mkdtemp(dir=base), s3_port=0, mlflow_port=0, credentials=credentials,
+                   start_timeout=start_timeout, **{**kinds, **options})
+        Path(st.state_dir).chmod(0o755)
         started.append(st)
         st.up()
         return st
@@ -69,3 +83,4 @@ def make_stack(tmp_path_factory):
     yield make
     for st in started:
         st.down()
+    shutil.rmtree(base, ignore_errors=True)

@@ -57,8 +57,8 @@ OUTPUTS: list[str] = []  # everything the CLI printed, scanned for passwords at 
 @pytest.fixture(scope="module")
 def stack(make_stack):
     t0 = time.monotonic()
-    st = make_stack(S3, auth=True)
-    TIMINGS["stack up --auth (moto + mlflow basic-auth)"] = time.monotonic() - t0
+    st = make_stack(S3, auth=True, store="postgresql")  # --auth keeps users in PostgreSQL
+    TIMINGS["stack up --auth (PostgreSQL + moto + mlflow basic-auth)"] = time.monotonic() - t0
     return st
 
 
@@ -524,7 +524,7 @@ def test_no_password_in_runs_artifacts_ray_or_logs(ray_cluster, stack, users):
     for path in files:
         scan(str(path), path.read_bytes())
     # The servers' logs and the stack's non-secret state.
-    for name in ("mlflow.log", "s3.log", STATE_FILE, AUTH_CONFIG_FILE):
+    for name in ("mlflow.log", "s3.log", "db.log", STATE_FILE, AUTH_CONFIG_FILE):
         scan(name, (stack.state_dir / name).read_bytes())
     scan("the CLI's output", "\n".join(OUTPUTS))
     assert not found, found

@@ -1,10 +1,19 @@
-"""Training against the real stack: an MLflow server with artifacts on an S3-compatible server
-(moto, over HTTP on 127.0.0.1) and Ray checkpoints in the same bucket; an MLflow outage in the
-middle of training; a scan of everything a run leaves for the credentials.
+"""Training against the stack users get: an MLflow server on PostgreSQL with artifacts on
+Swift's S3 API (over HTTP on 127.0.0.1) and Ray checkpoints in the same bucket; the stack
+stopped, crashed (SIGKILL of the S3 server and the database) and moved by backup and restore,
+keeping every artifact, the registered model and the checkpoint; 16 concurrent writers with
+no lost metric; an MLflow outage in the middle of training; a scan of everything a run leaves
+for the credentials.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -12,33 +21,50 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from services import training
+from services import registry, training
 from services.mlflow_tracking import find_run
 from services.s3 import Credentials, s3_client
 from services.stack import Stack
+from tests.benchmarks.bench_tracking_load import run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-CREDS = Credentials("proxydml-e2e-key", "proxydml-e2e-SECRET-do-not-leak")
+# Swift's S3 keys name the account: proxydml:USER.
+CREDS = Credentials("proxydml:e2e", "proxydml-e2e-SECRET-do-not-leak")
 PLOTS = {"plots/learning_curves.png", "plots/retrieval_grid.png", "plots/proxy_similarity.png",
          "plots/embedding_map.png"}
+MODEL = "stack-e2e-digits"
+STACK_EXPERIMENT = "tracking.experiment=stack-e2e"
 
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    return make_stack(CREDS)
+    return make_stack(CREDS, durable=True)
 
 
-@pytest.fixture
-def s3_env(stack, monkeypatch):
-    """The driver's environment: the S3 endpoint and keys for Ray storage only."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", stack.s3_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
-    return stack
+def _point_at(stack: Stack, mp: pytest.MonkeyPatch) -> None:
+    """The driver's environment: the S3 endpoint and keys for Ray storage and eval only."""
+    mp.setenv("AWS_ENDPOINT_URL", stack.s3_endpoint)
+    mp.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
+    mp.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
 
 
-STACK_EXPERIMENT = "tracking.experiment=stack-e2e"
+@pytest.fixture(scope="module")
+def trained(ray_cluster, stack, digits_config):
+    """A digits run with checkpoints on the stack's S3, resumed for a third epoch, and its
+    model registered as the champion."""
+    with pytest.MonkeyPatch.context() as mp:
+        _point_at(stack, mp)
+        cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, steps=4)
+        first = training.train(cfg)
+        after_two = {k: [m.step for m in MlflowClient(stack.tracking_uri).get_metric_history(first.mlflow_run_id, k)]
+                     for k in ("map_at_r",)}
+        second = training.train(digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT,
+                                              epochs=3, steps=4))
+    client = MlflowClient(stack.tracking_uri)
+    registry.register_version(client, MODEL, run_id=second.mlflow_run_id, tags={}, description="stack e2e",
+                              promote_it=True)
+    return cfg, first, second, after_two
 
 
 def _bucket_keys(stack: Stack) -> list[str]:
@@ -49,11 +75,11 @@ def _bucket_keys(stack: Stack) -> list[str]:
     return keys
 
 
-def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env, tmp_path, digits_config):
-    stack = s3_env
-    cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, steps=4)
-    first = training.train(cfg)
+def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
+    cfg, first, second, after_two = trained
     assert first.checkpoint_path.startswith(f"s3://{stack.bucket}/ray/{cfg.run_name()}/checkpoint_")
+    assert after_two == {"map_at_r": [1, 2]}
+    assert second.resumed and second.mlflow_run_id == first.mlflow_run_id
 
     keys = _bucket_keys(stack)
     ray_ckpt = [k for k in keys if k.startswith(f"ray/{cfg.run_name()}/checkpoint_")]
@@ -68,28 +94,102 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(ray_cluster, s3_env
     run = client.get_run(first.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["tracking.storage_path"] == f"s3://{stack.bucket}/ray"
-    assert run.data.tags["ray_checkpoint_path"] == first.checkpoint_path
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "map_at_r")] == [1, 2]
+    assert run.data.tags["ray_checkpoint_path"] == second.checkpoint_path
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "map_at_r")] == [1, 2, 3]
     listed = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert PLOTS <= listed
 
-    second = training.train(digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT,
-                                               epochs=3, steps=4))
-    assert second.resumed and second.mlflow_run_id == first.mlflow_run_id
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "map_at_r")] == [1, 2, 3]
-
     # Secret scan: params, tags, metric keys, every object in the bucket, the server logs.
     secret = CREDS.secret_key
-    run = client.get_run(first.mlflow_run_id)
     texts = [str(run.data.params), str(run.data.tags), str(list(run.data.metrics))]
     s3 = s3_client(stack.s3_endpoint, CREDS)
-    for key in _bucket_keys(stack):
+    for key in keys:
         body = s3.get_object(Bucket=stack.bucket, Key=key)["Body"].read()
         assert secret.encode() not in body, f"credentials leaked into s3://{stack.bucket}/{key}"
     for log in Path(stack.state_dir).glob("*.log"):
         texts.append(log.read_text(errors="replace"))
     for text in texts:
         assert secret not in text
+
+
+def _artifact_paths(client: MlflowClient, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for info in client.list_artifacts(run_id, path):
+        out += _artifact_paths(client, run_id, info.path) if info.is_dir else [info.path]
+    return out
+
+
+def _what_the_team_has(stack: Stack, run_id: str, checkpoint: str) -> dict:
+    """Everything a restart must keep, as comparable values: each artifact's sha256 (downloaded
+    through MLflow), each object's sha256, the champion's weights, and a re-evaluation of the
+    S3 checkpoint by ``proxydml eval --checkpoint s3://...``."""
+    import mlflow
+    import mlflow.pytorch
+
+    client = MlflowClient(stack.tracking_uri)
+    artifacts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in _artifact_paths(client, run_id):
+            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=tmp,
+                                                        tracking_uri=stack.tracking_uri)
+            artifacts[path] = hashlib.sha256(Path(local).read_bytes()).hexdigest()
+    s3 = s3_client(stack.s3_endpoint, CREDS)
+    objects = {k: hashlib.sha256(s3.get_object(Bucket=stack.bucket, Key=k)["Body"].read()).hexdigest()
+               for k in _bucket_keys(stack)}
+    mlflow.set_tracking_uri(stack.tracking_uri)
+    champion = mlflow.pytorch.load_model(f"models:/{MODEL}@{registry.CHAMPION}")
+    weights = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes()
+                                      for t in champion.state_dict().values())).hexdigest()
+    env = {**stack.client_env(with_credentials=True), "AWS_ENDPOINT_URL": stack.s3_endpoint}
+    out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--checkpoint", checkpoint, "--json"],
+                         capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {"artifacts": artifacts, "objects": objects, "champion": weights,
+            "eval": json.loads(out.stdout.strip().splitlines()[-1]), "runs": _runs(client)}
+
+
+def _runs(client: MlflowClient) -> dict:
+    exp = client.get_experiment_by_name("stack-e2e")
+    return {r.info.run_id: (r.info.status, r.data.metrics) for r in client.search_runs([exp.experiment_id])}
+
+
+def test_restart_crash_and_restore_keep_every_artifact_model_and_checkpoint(stack, trained, tmp_path):
+    _, _, second, _ = trained
+    run_id, ckpt = second.mlflow_run_id, second.checkpoint_path
+    before = _what_the_team_has(stack, run_id, ckpt)
+    assert len(before["artifacts"]) >= 8 and any(p.startswith("checkpoint/") for p in before["artifacts"])
+    logged = MlflowClient(stack.tracking_uri).get_run(run_id).data.metrics
+    for key in ("recall_at_1", "map_at_r"):
+        assert before["eval"][key] == logged[key], key  # the S3 checkpoint re-evaluates to the logged score
+
+    stack.down()
+    assert all(not s.running for s in stack.status().values())
+    stack.up()
+    assert _what_the_team_has(stack, run_id, ckpt) == before, "stack down / up"
+
+    stack.kill_service("s3")
+    stack.kill_service("db")
+    assert not stack.is_running("s3") and not stack.is_running("db")
+    stack.up()
+    assert _what_the_team_has(stack, run_id, ckpt) == before, "SIGKILL of S3 and the database, then up"
+
+    manifest = stack.backup(tmp_path / "backup")
+    assert set(manifest["objects"]) == set(before["objects"])
+    moved = Stack(Path(stack.state_dir).parent / "moved", s3_port=0, mlflow_port=0, credentials=CREDS,
+                  s3_server="swift", store="postgresql")
+    try:
+        moved.restore(tmp_path / "backup")
+        assert _what_the_team_has(moved, run_id, ckpt) == before, "backup, then restore into a fresh state folder"
+        assert registry.aliases_of(MlflowClient(moved.tracking_uri), MODEL) == \
+            registry.aliases_of(MlflowClient(stack.tracking_uri), MODEL)
+    finally:
+        moved.down()
+
+
+def test_sixteen_concurrent_writers_lose_no_metric(stack):
+    result = run_load(stack.tracking_uri, clients=16, batches=20, metrics_per_batch=10, processes=2)
+    assert result.errors == [] and result.failed_writes == 0
+    assert result.lost_points == 0 and len(result.write_latencies) == 16 * 20
 
 
 def test_mlflow_outage_during_training_loses_nothing(ray_cluster, stack, tmp_path, digits_config):

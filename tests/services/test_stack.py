@@ -1,7 +1,8 @@
-"""The real local stack: moto S3 + an MLflow server as processes on 127.0.0.1, free ports.
+"""The real local stack: S3 + an MLflow server as processes on 127.0.0.1, free ports.
 
-One stack for the module (MLflow starts in ~10-12 s here); the tests run in file order and
-the last one takes it down. Only 127.0.0.1 is ever contacted.
+One throw-away stack for the module (moto, sqlite: the cheapest to start); the tests run in
+file order and the last one takes it down. The durable stack (PostgreSQL + Swift) is
+exercised end to end in tests/e2e/test_tracking_stack.py. Only 127.0.0.1 is ever contacted.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from services import postgres, swift
+from services import stack as stack_module
 from services.net import free_port
+from services.procs import process_group_alive
 from services.s3 import Credentials, ray_storage, s3_client
-from services.stack import Stack, StackError, process_group_alive
+from services.stack import Stack, StackError
 
 pytestmark = pytest.mark.e2e
 
@@ -122,7 +126,8 @@ def test_port_in_use_is_a_clear_error_and_starts_nothing(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         for ports in ({"s3_port": port, "mlflow_port": free_port()}, {"s3_port": free_port(), "mlflow_port": port}):
-            st = Stack(tmp_path / str(len(ports)), credentials=TEST_CREDENTIALS, s3_server="moto", **ports)
+            st = Stack(tmp_path / str(len(ports)), credentials=TEST_CREDENTIALS, s3_server="moto", store="sqlite",
+                       **ports)
             with pytest.raises(StackError, match=f"port {port} on 127.0.0.1 is already in use"):
                 st.up()
             assert not list(st.state_dir.glob("*.pid"))
@@ -159,14 +164,15 @@ def test_secrets_stay_off_command_lines_and_reprs(tmp_path):
 
 
 def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_path):
-    plain = Stack(tmp_path / "plain", s3_port=free_port(), mlflow_port=free_port(), credentials=TEST_CREDENTIALS)
+    plain = Stack(tmp_path / "plain", s3_port=free_port(), mlflow_port=free_port(), db_port=free_port(),
+                  credentials=TEST_CREDENTIALS)
     cmd, env = plain._mlflow_command(TEST_CREDENTIALS)
     assert "--app-name" not in cmd and not any(k.startswith("MLFLOW_AUTH") for k in env)  # as before --auth
     with pytest.raises(StackError, match="without authentication: it has no users"):
         plain.add_user("ana", "reader")
 
-    authed = Stack(tmp_path / "auth", s3_port=free_port(), mlflow_port=free_port(), credentials=TEST_CREDENTIALS,
-                   auth=True)
+    authed = Stack(tmp_path / "auth", s3_port=free_port(), mlflow_port=free_port(), db_port=free_port(),
+                   credentials=TEST_CREDENTIALS, auth=True)
     authed.state_dir.mkdir()
     cmd, env = authed._mlflow_command(TEST_CREDENTIALS)
     assert cmd[cmd.index("--app-name") + 1] == "basic-auth" and "--enable-workspaces" in cmd
@@ -183,3 +189,67 @@ def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_p
     (authed.state_dir / "basic_auth.db").touch()
     with pytest.raises(StackError, match="admin password .* is gone"):
         authed._mlflow_command(TEST_CREDENTIALS)
+
+
+def test_the_default_stack_is_durable_and_refuses_rather_than_forgets(tmp_path, monkeypatch):
+    st = Stack(tmp_path / "default")
+    assert (st.store, st.s3_server, st.services) == ("postgresql", "swift", ("db", "s3", "mlflow"))
+    assert "psycopg2://proxydml@127.0.0.1:" in Stack(tmp_path / "d2", db_port=5999).backend_store_uri
+    assert "password" not in Stack(tmp_path / "d2", db_port=5999).backend_store_uri
+
+    monkeypatch.setattr(swift, "installed", lambda: False)
+    monkeypatch.setattr(stack_module.shutil, "which", lambda name: None)
+    with pytest.raises(StackError, match="no durable S3-compatible server is installed: .*pip install swift"):
+        Stack(tmp_path / "no-s3").up()
+    monkeypatch.undo()
+    monkeypatch.setattr(postgres, "installed", lambda: False)
+    with pytest.raises(StackError, match=r"PostgreSQL, which is not installed here: .*apt-get install postgresql.*"
+                                         r"--single-user"):
+        Stack(tmp_path / "no-pg").up()
+    with pytest.raises(StackError, match="--auth serves a team and keeps its users in PostgreSQL"):
+        Stack(tmp_path / "auth-sqlite", store="sqlite", auth=True).up()
+    for folder in ("no-s3", "no-pg", "auth-sqlite"):  # refused before anything was written
+        assert not (tmp_path / folder).exists()
+
+
+def test_a_state_folder_keeps_its_store_and_servers(tmp_path):
+    first = Stack(tmp_path, store="sqlite", s3_server="moto", credentials=TEST_CREDENTIALS)
+    first._save_state()
+    again = Stack(tmp_path)
+    assert (again.store, again.s3_server, again.services) == ("sqlite", "moto", ("s3", "mlflow"))
+    assert again.backend_store_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_swift_keys_name_the_account_and_configs_keep_the_secret_private(tmp_path):
+    with pytest.raises(ValueError, match="proxydml:USER"):
+        swift.check_credentials(Credentials("plain-key", "secret-secret"))
+    creds = swift.generate_credentials()
+    swift.check_credentials(creds)
+    swift.prepare(tmp_path, free_port(), creds)
+    ports = swift.ring_ports(tmp_path)
+    assert set(ports) == {"account", "container", "object"}
+    suffix = (tmp_path / "swift.conf").read_text()
+    swift.prepare(tmp_path, free_port(), creds)  # a restart keeps the placement of every object
+    assert swift.ring_ports(tmp_path) == ports and (tmp_path / "swift.conf").read_text() == suffix
+    proxy = tmp_path / "proxy-server.conf"
+    assert creds.secret_key in proxy.read_text() and proxy.stat().st_mode & 0o777 == 0o600
+    assert creds.secret_key not in " ".join(swift.command(tmp_path))
+
+
+def test_postgres_refuses_a_folder_its_account_cannot_enter(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("only root hands the server to the postgres account")  # as a user it runs as that user
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp())  # pytest's own tmp_path sits under a 0700 folder
+    try:
+        base.chmod(0o755)
+        postgres.check_reachable(base / "open" / "postgres")  # every ancestor can be entered
+        locked = base / "locked"
+        (locked / "inner").mkdir(parents=True)
+        locked.chmod(0o700)
+        with pytest.raises(PermissionError, match=f"cannot enter {locked} .*mode 700"):
+            postgres.check_reachable(locked / "inner" / "postgres")
+    finally:
+        shutil.rmtree(base)
