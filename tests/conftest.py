@@ -24,7 +24,7 @@ def ray_cluster():
     runtime.shutdown_ray()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def digits_config():
     """Builds the small Ray run most service tests train: the ``digits`` recipe on 2 workers,
     tracked at ``uri`` with checkpoints under ``storage``, plus any overrides."""
