@@ -1,7 +1,7 @@
 """Retrieval evaluation for deep metric learning embeddings.
 
 ``embed`` turns a dataset into embeddings (the one place that loops over one for inference).
-Implements the metrics of ``shared/LOSSES.md`` ("Retrieval metrics"): Recall@K, MAP@R,
+Implements the metrics of ``docs/losses.md`` ("Retrieval metrics"): Recall@K, MAP@R,
 R-Precision, Precision@1 and (optionally) NMI, with cosine kNN over L2-normalised
 embeddings. The nearest-neighbour search runs in faiss (exact ``IndexFlatIP``, float32, on
 a GPU when faiss has one); the metrics themselves are computed vectorised in numpy.
@@ -31,6 +31,9 @@ ArrayLike = torch.Tensor | np.ndarray
 # the ranking metrics, then ``nmi`` when asked. The CLI, the sweep and retrain metric checks
 # and the report's row order derive theirs from here.
 RECALL_PREFIX = "recall_at_"
+# Prefix of the same metrics scored with the query's own design family left out of its
+# gallery (data sets with groups, such as the emoji set's vendors): ``xgroup_recall_at_1``.
+CROSS_GROUP_PREFIX = "xgroup_"
 RANK_METRICS = ("map_at_r", "r_precision", "precision_at_1")
 NMI = "nmi"
 DEFAULT_RECALL_KS = (1, 2, 4, 8)

@@ -45,6 +45,7 @@ RETRIEVAL_GRID = "retrieval_grid.png"
 PROXY_SIMILARITY = "proxy_similarity.png"
 EMBEDDING_MAP = "embedding_map.png"
 ISA_STATE = "isa_state.png"
+PROXY_SIMILARITY_DATA = "proxy_similarity.npz"  # the matrix and class indices behind the heatmap
 PLOT_FILES = (LEARNING_CURVES, RETRIEVAL_GRID, PROXY_SIMILARITY, EMBEDDING_MAP, ISA_STATE)
 
 # The three curves every run shows; the keys are the train loop's MLflow metric keys.
@@ -269,9 +270,10 @@ def proxy_similarity(proxies: Tensor) -> Tensor:
 
 
 def plot_proxy_similarity(proxies: Tensor, path: str | Path, max_classes: int = 100) -> Path:
-    """Heatmap of the proxy-to-proxy cosine similarity (Proxy Synthesis, Fig. 4).
+    """Heatmap of the proxy-to-proxy cosine similarity (Proxy Synthesis, Fig. 4), and the
+    shown matrix, its class indices and the title in :data:`PROXY_SIMILARITY_DATA` beside it.
 
-    ``proxies`` (C, d); with more than ``max_classes`` classes an evenly spaced subset is
+    ``proxies`` (C, d), every class of the bank; with more than ``max_classes`` classes an evenly spaced subset is
     shown (a 10k x 10k heatmap is unreadable and slow). The title gives the mean and max
     off-diagonal similarity over *all* classes: proxies that collapse show up there.
     """
@@ -279,13 +281,16 @@ def plot_proxy_similarity(proxies: Tensor, path: str | Path, max_classes: int = 
     c = sim.shape[0]
     off = sim[~torch.eye(c, dtype=torch.bool)] if c > 1 else sim.flatten()
     shown = torch.tensor(_spread(c, max_classes), dtype=torch.long)
+    sub = "" if len(shown) == c else f" ({len(shown)} shown)"
+    title = f"proxy similarity of {c} classes{sub}\noff-diagonal mean {float(off.mean()):.3f}, max {float(off.max()):.3f}"
+    # The numbers behind the picture, beside it: runs (W = 1 and W = 2, say) compare exactly.
+    np.savez_compressed(Path(path).with_name(PROXY_SIMILARITY_DATA), classes=shown.numpy(), num_classes=c,
+                        similarity=sim[shown][:, shown].numpy(), title=title)
     fig = _figure(6.4, 5.4)
     ax = fig.add_subplot()
     im = ax.imshow(sim[shown][:, shown].numpy(), cmap="coolwarm", vmin=-1.0, vmax=1.0, interpolation="nearest")
     fig.colorbar(im, ax=ax, shrink=0.85, label="cosine similarity")
-    sub = "" if len(shown) == c else f" ({len(shown)} of {c} classes shown)"
-    ax.set_title(f"proxy similarity{sub}\noff-diagonal mean {float(off.mean()):.3f}, max {float(off.max()):.3f}",
-                 fontsize="medium")
+    ax.set_title(title, fontsize="medium")
     ax.set_xlabel("class")
     ax.set_ylabel("class")
     if len(shown) <= 20:
@@ -380,13 +385,6 @@ def isa_snapshot(loss_fn: nn.Module, epoch: int) -> dict[str, Any] | None:
         with torch.no_grad():
             snap["s_out"] = class_params().s_out.detach().float().cpu().clone()
     return snap
-
-
-def record_isa_state(loss_fn: nn.Module, epoch: int, states: list[dict[str, Any]]) -> None:
-    """Append :func:`isa_snapshot` to ``states`` when ``loss_fn`` is a Proxy-ISA loss."""
-    snap = isa_snapshot(loss_fn, epoch)
-    if snap is not None:
-        states.append(snap)
 
 
 def plot_isa_state(states: Sequence[Mapping[str, Any]], path: str | Path, max_classes: int = 128) -> Path:
@@ -505,7 +503,7 @@ def write_plots(
     history: Sequence[Mapping[str, float]],
     model: nn.Module | None = None,
     dataset: Dataset | None = None,
-    loss_fn: nn.Module | None = None,
+    proxies: Tensor | None = None,
     isa_states: Sequence[Mapping[str, Any]] = (),
     device: torch.device | str = "cpu",
     batch_size: int = 256,
@@ -515,7 +513,9 @@ def write_plots(
     """Write every plot the inputs allow into ``folder``; returns the files written.
 
     ``embedded``: ``dataset``'s embeddings (len, d) and labels (len,) in order, if already
-    computed; otherwise ``model`` embeds the plotted rows.
+    computed; otherwise ``model`` embeds the plotted rows. ``proxies``: the whole proxy bank
+    (C, d) and ``isa_states`` snapshots of every class, whatever the number of workers (the
+    train loop gathers the shards).
 
     Each plot is independent: one that fails is logged and skipped, so a plotting bug never
     costs a finished training run its other plots (tests call each plot function directly).
@@ -532,8 +532,7 @@ def write_plots(
         jobs.append((RETRIEVAL_GRID, lambda: plot_retrieval_grid(
             emb, labels, lambda i: dataset[rows[i]][0], folder / RETRIEVAL_GRID, names=class_names(dataset))))
         jobs.append((EMBEDDING_MAP, lambda: plot_embedding_map(emb, labels, folder / EMBEDDING_MAP)))
-    proxies = getattr(loss_fn, "proxies", None) if loss_fn is not None else None
-    if isinstance(proxies, Tensor):
+    if proxies is not None:
         jobs.append((PROXY_SIMILARITY, lambda: plot_proxy_similarity(proxies, folder / PROXY_SIMILARITY)))
     if isa_states:
         jobs.append((ISA_STATE, lambda: plot_isa_state(isa_states, folder / ISA_STATE)))
@@ -551,7 +550,7 @@ def write_dashboard(
     history: Sequence[Mapping[str, float]],
     model: nn.Module,
     dataset: Dataset,
-    loss_fn: nn.Module,
+    proxies: Tensor | None,
     isa_states: Sequence[Mapping[str, Any]] = (),
     device: torch.device | str = "cpu",
     batch_size: int = 256,
@@ -561,9 +560,8 @@ def write_dashboard(
 
     Called by the train loop on rank 0 after the last epoch. ``history``: per-epoch metric
     dicts; ``model``: the (unwrapped) embedding model; ``dataset``: the evaluation set
-    (unseen classes); ``loss_fn``: the loss module (its ``proxies`` (C, d); with class-sharded
-    proxies the train loop passes rank 0's module, so this is rank 0's shard); ``isa_states``:
-    per-epoch :func:`isa_snapshot` dicts (Proxy-ISA only); ``embedded``: ``dataset``'s
+    (unseen classes); ``proxies``: the whole proxy bank (C, d), gathered from every shard;
+    ``isa_states``: per-epoch :func:`isa_snapshot` dicts of every class (Proxy-ISA only); ``embedded``: ``dataset``'s
     embeddings and labels from the last evaluation (see :func:`write_plots`). Skipped (nothing
     rendered) when the tracker is the NullTracker: nobody would see the files. Returns the file
     names logged.
@@ -571,7 +569,7 @@ def write_dashboard(
     if isinstance(tracker, NullTracker):
         return []
     with tempfile.TemporaryDirectory(prefix="proxydml-plots-") as tmp:
-        written = write_plots(tmp, history, model, dataset, loss_fn, isa_states, device, batch_size,
+        written = write_plots(tmp, history, model, dataset, proxies, isa_states, device, batch_size,
                               embedded=embedded)
         if written:
             tracker.log_artifacts(Path(tmp), "plots")

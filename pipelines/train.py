@@ -33,9 +33,9 @@ from pipelines.data import (
     dataset_labels,
 )
 from pipelines.eval_cache import FrozenFeatureCache, embed_frozen_cached
-from pipelines.evaluate import native_bf16, retrieval_metrics
+from pipelines.evaluate import CROSS_GROUP_PREFIX, native_bf16, retrieval_metrics
 from pipelines.models import EmbeddingModel
-from pipelines.plots import record_isa_state, write_dashboard
+from pipelines.plots import isa_snapshot, write_dashboard
 from pipelines.tracking import NullProgress, NullTracker, Reporter, Tracker
 from proxies import ShardContext, build_loss, load_shard_states, shard_state_dict
 
@@ -151,7 +151,7 @@ def score(split: DataSplit, emb: torch.Tensor, labels: torch.Tensor, cfg: Config
         # the cross-family score leaves the query's own family out of its gallery.
         cross = retrieval_metrics(emb, labels, recall_ks=ks[:1],
                                   exclude_same_group=(torch.as_tensor(split.test_groups), None))
-        metrics.update({f"xgroup_{k}": v for k, v in cross.items()})
+        metrics.update({f"{CROSS_GROUP_PREFIX}{k}": v for k, v in cross.items()})
     return metrics
 
 
@@ -263,6 +263,30 @@ def load_checkpoint(
             if "rng" in opt:  # checkpoints before 0.2 lack it
                 set_rng_state(opt["rng"])
     return json.loads((directory / "trainer_state.json").read_text())
+
+
+def epoch_line(epoch: int, epochs: int, metrics: dict[str, float]) -> str:
+    """The console's line for one epoch: loss, R@1 and MAP@R when evaluated, and seconds of
+    training and evaluation. Every other metric goes to MLflow and the log file only."""
+    parts = [f"epoch {epoch}/{epochs}", f"loss {metrics['loss']:.4f}"]
+    for key, label in (("recall_at_1", "R@1"), ("map_at_r", "MAP@R")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.4f}")
+    parts.append(f"train {metrics['epoch_time_s']:.1f}s")
+    if "eval_time_s" in metrics:
+        parts.append(f"eval {metrics['eval_time_s']:.1f}s")
+    return " ".join(parts)
+
+
+def whole_isa_snapshot(loss_fn: nn.Module, epoch: int) -> dict[str, Any] | None:
+    """:func:`pipelines.plots.isa_snapshot` of every class: each rank's per-class tensors
+    (C_local,) gathered in rank order, which is class order. A collective: every rank calls
+    it; None (on every rank) for losses without Proxy-ISA state."""
+    snap = isa_snapshot(loss_fn, epoch)
+    if snap is None:
+        return None
+    dev = D.device()  # nccl gathers device tensors only; the snapshot is a CPU copy
+    return {k: D.gather_rows(v.to(dev)).cpu() if isinstance(v, torch.Tensor) else v for k, v in snap.items()}
 
 
 def run(
@@ -389,12 +413,13 @@ def run(
             "epoch_time_s": train_time,
             **({"eval_time_s": time.perf_counter() - t_eval, **evaluated} if evaluated else {}),
         }
+        isa_state = whole_isa_snapshot(loss_fn, epoch + 1)  # a collective: every rank calls it
         if rank == 0:
             history.append({k: float(v) for k, v in metrics.items()})
-            summary = " ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k not in ("epoch", "lr"))
-            D.print0(f"epoch {epoch + 1}/{cfg.train.epochs} {summary}")
+            D.print0(epoch_line(epoch + 1, cfg.train.epochs, metrics))
             tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch + 1)
-            record_isa_state(loss_fn, epoch + 1, isa_states)
+            if isa_state is not None:
+                isa_states.append(isa_state)
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError("training loss is not finite")
         with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
@@ -404,12 +429,14 @@ def run(
                      "resumes": resumes, "history": history, **(extra_state or {})}
             save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
             reporter.report(metrics, ckpt_dir)
+    # The plots show every class whatever the worker count: the shards, contiguous class
+    # ranges in rank order, are gathered into the whole bank (a collective: every rank calls it).
+    proxies = getattr(loss_fn, "proxies", None)
+    bank = D.gather_rows(proxies.detach()).cpu() if isinstance(proxies, torch.Tensor) else None
     if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
-        # The proxy-similarity heatmap and the ISA state show rank 0's shard of the classes
-        # (its ``proxies`` and per-class buffers): all classes with one worker.
         # The last epoch is always evaluated: its embeddings are the dashboard's (embedding the
-        # unseen set again on rank 0 alone, in fp32 and uncached, was 90 s of a 430 s demo).
-        write_dashboard(tracker, history, model, split.test, loss_fn, isa_states, dev, cfg.data.eval_batch_size,
+        # unseen set again on rank 0 alone would cost a full uncached fp32 pass).
+        write_dashboard(tracker, history, model, split.test, bank, isa_states, dev, cfg.data.eval_batch_size,
                         embedded=embedded)
     return metrics if rank == 0 else {}
 

@@ -1,4 +1,4 @@
-"""The math of the proxy losses as pure functions of tensors (see ``shared/LOSSES.md``).
+"""The math of the proxy losses as pure functions of tensors (see ``docs/losses.md``).
 
 Notation (shapes): ``B`` embeddings ``x`` (B, d) of any norm, integer labels ``y`` (B,) in
 ``[0, C)``, proxies ``p`` (C, d). Every function normalises both sides itself and works on the
@@ -903,7 +903,7 @@ def isa_class_params(
     tau: float,
     filter_on: bool,
 ) -> ISAClassParams:
-    """Per-class Proxy-ISA constants from the state, all (C,) (LOSSES.md, Proxy-ISA).
+    """Per-class Proxy-ISA constants from the state, all (C,) (docs/losses.md, Proxy-ISA).
 
     ``nu = 1/(1 + ln(1 + E))``; ``sigma = (1 + e^-tau)(nu - 1)/(1 + e^(V - tau - E)) + 1``;
     ``eta = (1 + k (1 - S_learned)) nu + lam``; ``S_out = S_learned - eta``;

@@ -51,7 +51,7 @@ class ProxyISALoss(ProxyLoss):
     clean samples are updated; once ``memory_on``, the clean normalised embeddings are
     enqueued and ``learned_sim`` of *every* class of the batch that has rows in the memory
     (after this enqueue) becomes ``h * mean <f_j, p̂_c>`` over those rows, also for a class
-    whose samples in this step were all outliers (as the official code does; LOSSES.md).
+    whose samples in this step were all outliers (as the official code does; docs/losses.md).
     Deterministic (no randomness at all).
     """
 
@@ -170,7 +170,7 @@ class ProxyISALoss(ProxyLoss):
             if self.memory_on:
                 self.memory.enqueue(x_clean, y_clean)
                 # S_learned: every class of the batch that this rank owns, clean or not, as
-                # the official code does (LOSSES.md). Why: S_learned(c) (and with it the
+                # the official code does (docs/losses.md). Why: S_learned(c) (and with it the
                 # outlier boundary) then follows the moving proxy c through the memory rows
                 # even in a step where all of c's samples were outliers, instead of keeping
                 # a value measured against an older proxy.

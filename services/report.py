@@ -38,7 +38,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipelines import plots
-from pipelines.evaluate import DEFAULT_RECALL_KS, is_retrieval_metric, metric_names
+from pipelines.evaluate import CROSS_GROUP_PREFIX, DEFAULT_RECALL_KS, is_retrieval_metric, metric_names
 from services import auth
 from services.mlflow_tracking import resolve_tracking_uri
 from services.uris import redact
@@ -163,10 +163,37 @@ def _fmt(value: float | None) -> str:
     return f"{value:.4f}"
 
 
-def _metric_keys(runs: Sequence[RunData]) -> list[str]:
+SYSTEM_PREFIX = "system/"  # MLflow's system metrics (CPU, memory, disk, network)
+
+
+def metric_groups(runs: Sequence[RunData]) -> tuple[list[str], list[str]]:
+    """(the table's keys, the system metrics' keys): the retrieval metrics lead, in the
+    evaluation's order, then any other retrieval metric (``xgroup_recall_at_1``), then the loss,
+    then the other training metrics; ``system/*`` go to a section of their own."""
     keys = {k for r in runs for k in r.run.data.metrics}
-    first = [k for k in _METRIC_ORDER if k in keys]
-    return first + sorted(keys - set(first))
+    system = sorted(k for k in keys if k.startswith(SYSTEM_PREFIX))
+    rest = keys - set(system)
+    first = [k for k in _METRIC_ORDER if k in rest and k != "loss"]
+    first += sorted(k for k in rest - set(first) if is_retrieval_metric(k.removeprefix(CROSS_GROUP_PREFIX), nmi=True))
+    first += ["loss"] if "loss" in rest else []
+    return first + sorted(rest - set(first)), system
+
+
+def _metric_table(runs: Sequence[RunData], keys: Sequence[str], names: Sequence[str]) -> str:
+    rows = []
+    for key in keys:
+        values = [r.run.data.metrics.get(key) for r in runs]
+        best = None
+        present = [v for v in values if v is not None and math.isfinite(v)]
+        # Retrieval metrics: the highest value is the best (bold); other rows are neutral.
+        if len(runs) > 1 and present and is_retrieval_metric(key, nmi=True):
+            best = max(present)
+        cells = [f"<code>{html.escape(key)}</code>"]
+        for v in values:
+            text = html.escape(_fmt(v))
+            cells.append(f'<b>{text}</b>' if best is not None and v == best else text)
+        rows.append(cells)
+    return _table(["metric", *names], rows, "metrics", numeric_from=1)
 
 
 def differing_params(runs: Sequence[RunData]) -> list[str]:
@@ -249,24 +276,14 @@ def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparis
     parts.append(_table(["run", "run id", "status", "loss", "dataset", "started"], rows, "runs"))
 
     parts.append("<h2>Final metrics</h2>")
-    keys = _metric_keys(runs)
+    keys, system = metric_groups(runs)
     if keys:
-        rows = []
-        for key in keys:
-            values = [r.run.data.metrics.get(key) for r in runs]
-            best = None
-            present = [v for v in values if v is not None and math.isfinite(v)]
-            # Retrieval metrics: the highest value is the best (bold); other rows are neutral.
-            if len(runs) > 1 and present and is_retrieval_metric(key, nmi=True):
-                best = max(present)
-            cells = [f"<code>{esc(key)}</code>"]
-            for v in values:
-                text = esc(_fmt(v))
-                cells.append(f'<b>{text}</b>' if best is not None and v == best else text)
-            rows.append(cells)
-        parts.append(_table(["metric", *names], rows, "metrics", numeric_from=1))
+        parts.append(_metric_table(runs, keys, names))
     else:
         parts.append("<p>No metrics logged.</p>")
+    if system:
+        parts.append(f'<details class="system"><summary>System metrics ({len(system)})</summary>'
+                     f"{_metric_table(runs, system, names)}</details>")
 
     diff = differing_params(runs)
     if len(runs) > 1:

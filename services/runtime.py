@@ -465,7 +465,7 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
             mlflow_uri=mlflow_uri, storage_path=f"{root}/{name}/trials", login=worker_credentials(),
         ),
-        # The trial driver only waits on its Train workers: a sliver of a CPU (STACK.md).
+        # The trial driver only waits on its Train workers: a sliver of a CPU (docs/operations.md).
         {"cpu": 0.01},
     )
     path = f"{storage}/{name}"

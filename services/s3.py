@@ -114,7 +114,7 @@ def ray_storage(
     """``(storage_path, filesystem)`` for Ray Train's RunConfig on the S3 server ``endpoint``.
 
     The path is ``"bucket/prefix"`` without a scheme: Ray rejects an ``s3://`` URI together
-    with a filesystem object (STACK.md). Keys: ``credentials``, else
+    with a filesystem object (docs/operations.md). Keys: ``credentials``, else
     $AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY.
     """
     credentials = credentials or Credentials.from_env()

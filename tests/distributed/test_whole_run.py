@@ -103,3 +103,27 @@ def test_checkpoint_evaluation_reproduces_the_logged_metrics_exactly(runs):
     again = evaluate_checkpoint(runs["w2"] / LAST)
     for key in ("recall_at_1", "recall_at_2", "map_at_r", "r_precision", "precision_at_1"):
         assert again[key] == logged[key], key
+
+
+def test_the_proxy_plot_shows_the_whole_bank_on_any_worker_count(runs):
+    """The dashboard's proxy-similarity matrix gathers every shard: W = 2 and 4 write the
+    one-worker matrix (within STATE_TOL, the proxies' own whole-run tolerance) over all
+    classes, and the title counts them all."""
+    import numpy as np
+
+    from pipelines.plots import PROXY_SIMILARITY_DATA
+
+    def load(name: str) -> dict:
+        with np.load(runs[name] / "artifacts" / "plots" / PROXY_SIMILARITY_DATA) as data:
+            return {k: data[k] for k in data.files}
+
+    one = load("w1")
+    classes = _state(runs["w1"])["proxies"].shape[0]
+    assert int(one["num_classes"]) == classes and len(one["classes"]) == min(classes, 100)
+    assert (runs["w1"] / "artifacts" / "plots" / "proxy_similarity.png").stat().st_size > 10_000
+    for name in ("w2", "w4"):
+        other = load(name)
+        assert int(other["num_classes"]) == classes, name
+        assert np.array_equal(other["classes"], one["classes"]), name
+        np.testing.assert_allclose(other["similarity"], one["similarity"], atol=STATE_TOL, rtol=0)
+        assert str(other["title"]).splitlines()[0] == f"proxy similarity of {classes} classes", name

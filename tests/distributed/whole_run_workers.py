@@ -9,6 +9,7 @@ holds every rank's part, as with Ray Train).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,22 @@ def overrides(data_root: Path, *extra: str) -> list[str]:
     ]
 
 
+class ArtifactFolder:
+    """A Tracker keeping only the artifacts, under ``root/<artifact_path>`` (rank 0 uses it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_artifacts(self, local_dir: Path, artifact_path: str | None = None) -> None:
+        shutil.copytree(local_dir, self.root / (artifact_path or ""), dirs_exist_ok=True)
+
+
 def train_worker(rank: int, world: int, store_file: str, data_root: str, out: str, extra: list[str]) -> None:
     """One rank of a W-worker run; checkpoints under ``out``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
@@ -67,7 +84,7 @@ def train_worker(rank: int, world: int, store_file: str, data_root: str, out: st
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         cfg = load_config(None, overrides(Path(data_root), f"scaling.num_workers={world}", *extra))
-        run(cfg, LocalReporter(Path(out)))
+        run(cfg, LocalReporter(Path(out)), ArtifactFolder(Path(out) / "artifacts"))
         dist.barrier()  # every rank's shard is in the checkpoint before the parent reads it
     finally:
         shutdown_process_group()

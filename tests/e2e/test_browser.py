@@ -35,6 +35,8 @@ INSTALL = ("apt-get update && apt-get install -y chromium chromium-driver  (Debi
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
               "DO_NOT_TRACK": "true"}
 RUN_NAMES = ("alpha-proxy-anchor", "beta-proxy-isa")
+SYSTEM_METRICS = {"system/network_receive_megabytes": 812.5, "system/disk_usage_percentage": 61.0,
+                  "system/cpu_utilization_percentage": 93.0, "system/system_memory_usage_megabytes": 5120.0}
 FINAL_R1 = {"alpha-proxy-anchor": 0.6123, "beta-proxy-isa": 0.7351}
 
 
@@ -139,13 +141,17 @@ def logged(server, tmp_path_factory):
     emb = torch.randn(5, 8, generator=g)[labels] + 0.3 * torch.randn(30, 8, generator=g)
     images = torch.rand(30, 3, 16, 16, generator=g)
     for i, name in enumerate(RUN_NAMES):
-        run_id = client.create_run(exp_id, run_name=name, tags={"loss": name.split("-", 1)[1]}).info.run_id
+        run_id = client.create_run(exp_id, run_name=name,
+                                   tags={"loss": name.split("-", 1)[1], "world_size": "2"}).info.run_id
         client.log_param(run_id, "loss.name", name.split("-", 1)[1].replace("-", "_"))
         history = [{"epoch": 1, "loss": 2.0 - i * 0.1, "recall_at_1": 0.5, "map_at_r": 0.2},
                    {"epoch": 2, "loss": 1.5 - i * 0.1, "recall_at_1": FINAL_R1[name], "map_at_r": 0.3}]
         for row in history:
             for key in ("loss", "recall_at_1", "map_at_r"):
                 client.log_metric(run_id, key, row[key], step=int(row["epoch"]))
+        # What a 2-worker run records besides: timings, a cross-family score, system metrics.
+        for key, value in {**SYSTEM_METRICS, "epoch_time_s": 41.5, "xgroup_recall_at_1": 0.58}.items():
+            client.log_metric(run_id, key, value, step=2)
         folder = tmp / name
         plots.plot_learning_curves(history, folder / plots.LEARNING_CURVES)
         plots.plot_retrieval_grid(emb, labels, lambda j: images[j], folder / plots.RETRIEVAL_GRID, num_queries=4,
@@ -197,3 +203,20 @@ def test_mlflow_ui_shows_a_plot_artifact(browser, server, logged):
     assert plots.LEARNING_CURVES in browser.find_element("tag name", "body").text
     assert_not_blank(browser.get_screenshot_as_png(), "MLflow artifact page")
 
+
+
+def test_report_leads_with_retrieval_and_folds_system_metrics(browser, logged, tmp_path):
+    browser.get(logged["report"].as_uri())
+    wait_for(browser, lambda d: d.execute_script("return document.readyState") == "complete", 30, "page load")
+    first_table = browser.find_element("css selector", "table.metrics")
+    keys = [row.find_element("tag name", "code").text for row in first_table.find_elements("css selector", "tbody tr")]
+    assert keys == ["recall_at_1", "map_at_r", "xgroup_recall_at_1", "loss", "epoch_time_s"], keys
+    folded = browser.find_element("css selector", "details.system")
+    assert folded.get_attribute("open") is None  # collapsed until a reader opens it
+    assert "System metrics (4)" in folded.text and "network_receive" not in folded.text
+    browser.execute_script("arguments[0].scrollIntoView()", first_table)
+    shot = browser.get_screenshot_as_png()
+    (tmp_path / "report-metrics.png").write_bytes(shot)
+    assert_not_blank(shot, "report metrics")
+    folded.find_element("tag name", "summary").click()
+    assert "system/network_receive_megabytes" in folded.text

@@ -62,7 +62,7 @@ def isa_states(epochs: int = 3) -> tuple[nn.Module, list[dict]]:
         for _ in range(3):
             labels = torch.randint(C, (24,), generator=g)
             loss(torch.randn(24, D, generator=g), labels)
-        plots.record_isa_state(loss, epoch + 1, states)
+        states.append(plots.isa_snapshot(loss, epoch + 1))
     return loss, states
 
 
@@ -201,7 +201,7 @@ def test_write_dashboard_logs_every_plot_under_plots(tmp_path, toy):
     history = [{"epoch": 1.0, "loss": 2.0, "recall_at_1": 0.4, "map_at_r": 0.2},
                {"epoch": 2.0, "loss": 1.5, "recall_at_1": 0.5, "map_at_r": 0.3}]
     tracker = RecordingTracker(tmp_path)
-    names = plots.write_dashboard(tracker, history, model, ds, loss, states, batch_size=32)
+    names = plots.write_dashboard(tracker, history, model, ds, loss.proxies, states, batch_size=32)
     assert sorted(names) == sorted(plots.PLOT_FILES)
     (folder, artifact_path), = tracker.logged
     assert artifact_path == "plots"
@@ -209,7 +209,7 @@ def test_write_dashboard_logs_every_plot_under_plots(tmp_path, toy):
         assert_real_png(folder / name, 300, 200)
     assert model.training  # the model's mode is restored
     # Nobody would see the files: nothing is rendered for the NullTracker.
-    assert plots.write_dashboard(NullTracker(), history, model, ds, loss, states) == []
+    assert plots.write_dashboard(NullTracker(), history, model, ds, loss.proxies, states) == []
 
 
 class RefusesToRun(nn.Module):
@@ -240,7 +240,7 @@ def test_a_failing_plot_skips_only_itself(tmp_path, toy, monkeypatch, caplog):
 
     monkeypatch.setattr(plots, "plot_proxy_similarity", broken)
     written = plots.write_plots(tmp_path, [{"loss": 1.0}], nn.Sequential(nn.Flatten(), nn.Linear(1200, 4)), ds,
-                                ProxyAnchorLoss(C, 4))
+                                ProxyAnchorLoss(C, 4).proxies)
     assert {p.name for p in written} == {plots.LEARNING_CURVES, plots.RETRIEVAL_GRID, plots.EMBEDDING_MAP}
     assert "proxy_similarity.png failed" in caplog.text
 
@@ -256,6 +256,6 @@ def test_train_run_logs_the_dashboard(tmp_path):
     run(cfg, LocalReporter(tmp_path / "ckpt"), tracker)
     plot_dirs = [d for d, path in tracker.logged if path == "plots"]
     assert len(plot_dirs) == 1
-    assert {p.name for p in plot_dirs[0].iterdir()} == set(plots.PLOT_FILES)
+    assert {p.name for p in plot_dirs[0].iterdir()} == {*plots.PLOT_FILES, plots.PROXY_SIMILARITY_DATA}
     for name in plots.PLOT_FILES:
         assert_real_png(plot_dirs[0] / name, 300, 200)

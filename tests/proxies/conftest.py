@@ -1,4 +1,4 @@
-"""Shared fixtures of the loss tests: the LOSSES.md known inputs, small random problems."""
+"""Shared fixtures of the loss tests: the docs/losses.md known inputs, small random problems."""
 
 from __future__ import annotations
 

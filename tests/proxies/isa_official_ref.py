@@ -3,7 +3,7 @@
 A dense, pure-torch transcription (float64 assumed) of the official step
 (rioyokotalab/ProxyISA): the loss from the state before the step, then the state update.
 The snapshots of that repository reachable from here hold its memory buffer but not the ISA
-loss itself, so the step is transcribed from shared/LOSSES.md ("Proxy-ISA"), which records
+loss itself, so the step is transcribed from docs/losses.md ("Proxy-ISA"), which records
 the official behaviour where it differs from the paper. In the style of the authors' code
 (one-hot masks over the B x C cosine matrix, ``l2_norm`` with +1e-12 under the root),
 independent of ``proxies/`` and of tests/reference (whose update refreshes ``S_learned`` only

@@ -1,4 +1,4 @@
-"""LOSSES.md 'Known values (float64)', reproduced to 1e-8."""
+"""docs/losses.md 'Known values (float64)', reproduced to 1e-8."""
 
 from __future__ import annotations
 

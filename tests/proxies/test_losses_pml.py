@@ -1,4 +1,4 @@
-"""Agreement with pytorch-metric-learning where LOSSES.md says the losses are equal."""
+"""Agreement with pytorch-metric-learning where docs/losses.md says the losses are equal."""
 
 from __future__ import annotations
 

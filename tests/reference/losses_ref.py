@@ -1,4 +1,4 @@
-"""Plain loop-based re-implementations of shared/LOSSES.md, for tests only.
+"""Plain loop-based re-implementations of docs/losses.md, for tests only.
 
 Written from the specification, independently of ``proxies/``: loops over samples and
 classes, one dot product at a time, raw ``exp``/``log`` (float64 inputs assumed), torch

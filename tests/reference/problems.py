@@ -1,4 +1,4 @@
-"""Inputs of the loss tests: the LOSSES.md known values' inputs and small random problems."""
+"""Inputs of the loss tests: the docs/losses.md known values' inputs and small random problems."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 
 def known_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X (8, 16), P (5, 16), y (8,) of LOSSES.md 'Known values', float64."""
+    """X (8, 16), P (5, 16), y (8,) of docs/losses.md 'Known values', float64."""
     x = torch.tensor(
         [[math.sin(0.5 + 0.7 * i + 1.3 * j) + 0.3 * math.cos(1.0 + i * j) for j in range(16)] for i in range(8)],
         dtype=torch.float64,
