@@ -591,9 +591,41 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+BASE_KEY = "base"  # a recipe's parent: "as that recipe, except what this file says"
+
+
+def load_recipe(recipe: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The sections of a recipe with its ``base:`` chain resolved: the base's values, then
+    this file's on top, section by section (a key this file sets replaces the base's; a
+    section whose ``name`` differs from the base's, another loss say, is not inherited).
+
+    ``base`` names a shipped recipe or a YAML path, relative to the recipe's own folder.
+    """
+    path = resolve_recipe(recipe).resolve()
+    if path in _seen:
+        chain = " -> ".join(p.stem for p in (*_seen, path))
+        raise ConfigError(f"{BASE_KEY}: recipes inherit in a circle ({chain})")
+    values = load_yaml(path)
+    base = values.pop(BASE_KEY, None)
+    if base is None:
+        return values
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: {BASE_KEY} must name a recipe, got {base!r}")
+    local = path.parent / base
+    parent = local if local.suffix in (".yaml", ".yml") and local.is_file() else base
+    inherited = load_recipe(parent, (*_seen, path))
+    for section, mine in values.items():
+        theirs = inherited.get(section)
+        # A section that names another loss (optimiser, data set) starts afresh: the base's
+        # hyper-parameters of a different loss mean nothing to this one.
+        if isinstance(mine, dict) and isinstance(theirs, dict) and mine.get("name", theirs.get("name")) != theirs.get("name"):
+            inherited.pop(section)
+    return merge(inherited, values)
+
+
 def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Recipe (optional) + dotted overrides -> a validated Config."""
-    values: dict[str, Any] = load_yaml(resolve_recipe(recipe)) if recipe else {}
+    """Recipe (optional, its ``base:`` chain resolved) + dotted overrides -> a validated Config."""
+    values: dict[str, Any] = load_recipe(recipe) if recipe else {}
     values = merge(values, parse_overrides(overrides or []))
     return from_dict(values)
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.config import Config, ConfigError, from_dict, load_yaml, merge, parse_overrides, resolve_recipe
+from pipelines.config import Config, ConfigError, from_dict, load_recipe, load_yaml, merge, parse_overrides
 from pipelines.data import DataError
 from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
 from services import auth, snapshots
@@ -268,7 +268,7 @@ def source_config(req: RetrainRequest, client: Any, uri: str) -> tuple[dict[str,
     if len(chosen) > 1:
         raise RetrainError("give at most one of --config, --from-champion, --from-sweep")
     if req.config is not None:
-        return load_yaml(resolve_recipe(req.config)), f"recipe {req.config}"
+        return load_recipe(req.config), f"recipe {req.config}"
     if req.from_sweep is not None:
         from services.sweep import best_config
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,6 +181,37 @@ def test_every_shipped_recipe_loads_validates_and_builds(recipe):
     model = EmbeddingModel(cfg.model).eval()
     with torch.no_grad():
         assert model(torch.rand(1, 3, 64, 64)).shape == (1, cfg.model.embedding_dim)
+
+
+RESOLVED = Path(__file__).parent / "data" / "recipes_resolved.json"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_shipped_recipe_resolves_to_its_recorded_values(recipe):
+    """Every recipe (with its base: chain) gives the flat config recorded in
+    data/recipes_resolved.json, written before the recipes inherited from each other; the
+    run name (a hash of these values) is therefore unchanged too."""
+    recorded = json.loads(RESOLVED.read_text())
+    assert set(recorded) == {p.stem for p in CONFIG_DIR.glob("*.yaml")}
+    assert json.loads(json.dumps(load_config(recipe).flat(), default=str)) == recorded[recipe]
+
+
+def test_a_recipe_inherits_from_its_base_and_states_only_what_differs(tmp_path):
+    child = tmp_path / "mine.yaml"
+    child.write_text("base: emoji_proxy_anchor\noptim: {lr: 2.0e-4}\ntrain: {epochs: 7}\n")
+    assert load_config(child) == load_config("emoji_proxy_anchor", ["optim.lr=2e-4", "train.epochs=7"])
+    # Another loss starts its section afresh: Proxy-Anchor's alpha means nothing to Norm-Softmax.
+    child.write_text("base: emoji_proxy_anchor\nloss: {name: norm_softmax}\n")
+    assert load_config(child).loss == LossConfig(name="norm_softmax")
+    # A base next to the file, by path; a chain; a circle is refused naming it.
+    (tmp_path / "grand.yaml").write_text("base: mine.yaml\ntrain: {epochs: 3}\n")
+    assert load_config(tmp_path / "grand.yaml").train.epochs == 3
+    child.write_text("base: grand.yaml\n")
+    with pytest.raises(ConfigError, match=r"inherit in a circle \(grand -> mine -> grand\)"):
+        load_config(tmp_path / "grand.yaml")
+    child.write_text("base: [1, 2]\n")
+    with pytest.raises(ConfigError, match="base must name a recipe"):
+        load_config(child)
 
 
 def test_long_emoji_recipe_is_the_short_one_with_three_changes():
