@@ -383,24 +383,24 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    def experiment_hash(self) -> str:
-        """Hash of what defines the experiment (not where or on how many workers it runs).
-
-        Scaling and tracking are left out on purpose: the same run resumes on a different
-        number of workers, and the epoch count is left out so a finished run can be
-        extended by starting it again with more epochs (the evaluation period too).
-        """
+    def config_hash(self, *, keep_epochs: bool = False, ignore: tuple[str, ...] = ()) -> str:
+        """10 hex digits of what defines the trained model: the config minus where and on how
+        many workers it runs (:data:`RUNTIME_SECTIONS`), minus what only changes how it is
+        evaluated (:data:`EVAL_ONLY_FIELDS`), minus the epoch count unless ``keep_epochs``,
+        minus the dotted keys in ``ignore``."""
         d = self.to_dict()
-        d.pop("scaling")
-        d.pop("tracking")
-        d["train"].pop("epochs")
-        d["train"].pop("eval_every")  # how often we look does not change what is trained
-        d["model"].pop("channels_last")  # memory layout: float rounding only
-        d["data"].pop("eval_cache_mb")  # the cache gives the uncached scores, bit for bit
-        d["data"].pop("eval_batch_size")  # evaluation only, never what is trained
-        d["train"].pop("eval_precision")  # evaluation only, never what is trained
+        for section in RUNTIME_SECTIONS:
+            d.pop(section)
+        for key in (*EVAL_ONLY_FIELDS, *(() if keep_epochs else ("train.epochs",)), *ignore):
+            section, _, name = key.partition(".")
+            d[section].pop(name)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
+
+    def experiment_hash(self) -> str:
+        """The run name's hash: the same run resumes on another worker count, and starting it
+        again with more epochs extends it (the epoch count is not part of it)."""
+        return self.config_hash()
 
     def run_name(self) -> str:
         """Deterministic run name: Ray resumes a run by this name, so never a timestamp."""
@@ -412,6 +412,14 @@ class Config:
     def experiment_name(self) -> str:
         return self.tracking.experiment or f"proxydml-{self.data.name}"
 
+
+# Where and on how many workers a run executes: never part of what it trains.
+RUNTIME_SECTIONS = ("scaling", "tracking")
+# What only changes how a model is evaluated, never what is trained, the one list of them:
+# how often we look, the memory layout (float rounding only), the evaluation cache (bit for
+# bit the uncached scores), the evaluation batch and precision.
+EVAL_ONLY_FIELDS = ("train.eval_every", "model.channels_last", "data.eval_cache_mb", "data.eval_batch_size",
+                    "train.eval_precision")
 
 _SECTION_TYPES: dict[str, type] = {
     "data": DataConfig, "model": ModelConfig, "loss": LossConfig, "synthesis": SynthesisConfig,

@@ -28,8 +28,6 @@ first, before the snapshot is fetched or anything trains. This module never impo
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import sys
 import tempfile
@@ -76,17 +74,10 @@ def fetch_snapshot(location: str, cache_dir: Path | None = None) -> Snapshot:
 
 
 def config_hash(cfg: Config) -> str:
-    """What defines a candidate besides its data: the whole config minus where it runs.
-
-    Scaling and tracking are left out (a resumed run may use another worker count), and so is
-    data.root (the snapshot id stands for the data; an S3 snapshot's cache path is local).
-    Unlike ``Config.experiment_hash`` the epoch count is in: more epochs = another candidate.
-    """
-    d = cfg.to_dict()
-    d.pop("scaling")
-    d.pop("tracking")
-    d["data"].pop("root")
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    """What defines a candidate besides its data: :meth:`Config.config_hash` with the epoch
+    count in (more epochs = another candidate) and without data.root (the snapshot id stands
+    for the data; an S3 snapshot's cache path is local)."""
+    return cfg.config_hash(keep_epochs=True, ignore=("data.root",))
 
 
 def run_name(model: str, snapshot_id: str, cfg_hash: str) -> str:
