@@ -18,16 +18,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.config import ModelConfig
+if TYPE_CHECKING:  # the config validates names against BACKBONES: no import back at run time
+    from pipelines.config import ModelConfig
 
 __all__ = [
-    "BACKBONE_BUILDERS",
+    "BACKBONES",
     "StagedBackbone",
     "BNInception",
     "EfficientNetLite0",
@@ -431,7 +432,36 @@ def _check_channels(cfg: ModelConfig, in_channels: int) -> None:
         raise ValueError(f"model.backbone={cfg.backbone} takes 1- or 3-channel images, got {in_channels}")
 
 
-BACKBONE_BUILDERS: dict[str, Callable[[ModelConfig, int], tuple[nn.Module, int]]] = {
+class _ConvNet(nn.Sequential):
+    """A small VGG-style convnet for tiny images (digits, tests); random init."""
+
+    def __init__(self, in_channels: int, width: int) -> None:
+        def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+        w = width
+        super().__init__(*block(in_channels, w, 1), *block(w, 2 * w, 2), *block(2 * w, 2 * w, 1))
+
+    def stages(self) -> list[list[nn.Module]]:
+        """One stage per conv block (conv, BN, ReLU)."""
+        layers = list(self)
+        return [layers[i : i + 3] for i in range(0, len(layers), 3)]
+
+    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Conv blocks ``[start, stop)``."""
+        for layer in list(self)[3 * start : None if stop is None else 3 * stop]:
+            x = layer(x)
+        return x
+
+
+def _convnet(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
+    return _ConvNet(in_channels, cfg.width), 2 * cfg.width
+
+
+BackboneBuilder = Callable[["ModelConfig", int], tuple[nn.Module, int]]
+# The one registry of backbones: the config validates model.backbone against its keys.
+BACKBONES: dict[str, BackboneBuilder] = {
+    "convnet": _convnet,
     "efficientnet_lite0": efficientnet_lite0,
     "resnet50": resnet50,
     "bninception": bninception,

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pipelines.backbones import BACKBONES
 from proxies import LOSSES, HyperParameterError, NormSoftmaxLoss, ProxySynthesis, build_loss
 from proxies.synthesis import DEFAULT_ALPHA, DEFAULT_MU
 
@@ -121,7 +122,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    backbone: str = doc("backbone: convnet | efficientnet_lite0 | resnet50 | bninception", "convnet")
+    backbone: str = doc("backbone: " + " | ".join(BACKBONES), "convnet")
     weights: str = doc("path to backbone weights ('' = packaged/none)", "")
     width: int = doc("channel width of the small convnet backbone", 32)
     pooling: str = doc("global pooling: avg | max | avg+max", "avg")
@@ -151,9 +152,6 @@ class ModelConfig:
         _choice("model.pooling", self.pooling, ("avg", "max", "avg+max"))
         _positive("model.embedding_dim", self.embedding_dim)
         _positive("model.width", self.width)
-
-
-BACKBONES = ("convnet", "efficientnet_lite0", "resnet50", "bninception")
 
 
 @dataclass

@@ -1,50 +1,17 @@
 """Embedding model: backbone feature map -> global pooling -> optional LayerNorm -> linear head.
 
-Backbones are registered in ``BACKBONES`` (name -> builder returning ``(module, channels)``);
-the module maps images (N, 3|1, H, W) to feature maps (N, channels, h, w).
+Backbones come from the one registry ``pipelines.backbones.BACKBONES`` (name -> builder
+returning ``(module, channels)``); the module maps images (N, 3|1, H, W) to feature maps
+(N, channels, h, w).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from pipelines.backbones import BACKBONE_BUILDERS
+from pipelines.backbones import BACKBONES
 from pipelines.config import ConfigError, ModelConfig
-
-
-class _ConvNet(nn.Sequential):
-    """A small VGG-style convnet for tiny images (digits, tests); random init."""
-
-    def __init__(self, in_channels: int, width: int) -> None:
-        def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
-            return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
-
-        w = width
-        super().__init__(*block(in_channels, w, 1), *block(w, 2 * w, 2), *block(2 * w, 2 * w, 1))
-
-    def stages(self) -> list[list[nn.Module]]:
-        """One stage per conv block (conv, BN, ReLU)."""
-        layers = list(self)
-        return [layers[i : i + 3] for i in range(0, len(layers), 3)]
-
-    def forward_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Conv blocks ``[start, stop)``."""
-        for layer in list(self)[3 * start : None if stop is None else 3 * stop]:
-            x = layer(x)
-        return x
-
-
-def _convnet(cfg: ModelConfig, in_channels: int) -> tuple[nn.Module, int]:
-    return _ConvNet(in_channels, cfg.width), 2 * cfg.width
-
-
-BackboneBuilder = Callable[[ModelConfig, int], tuple[nn.Module, int]]
-BACKBONES: dict[str, BackboneBuilder] = {"convnet": _convnet}
-# ImageNet-style backbones (efficientnet_lite0, resnet50, bninception) live in backbones.py.
-BACKBONES.update(BACKBONE_BUILDERS)
 
 
 class GlobalPool(nn.Module):
