@@ -196,10 +196,6 @@ class ShardContext:
             self._backend = str(dist.get_backend(self.group)) if self.sharded else "none"
         return self._backend
 
-    def class_range(self, rank: int | None = None) -> tuple[int, int]:
-        """``[start, end)`` of the classes of ``rank`` (default: this rank)."""
-        return split_range(self.num_classes, self.rank if rank is None else rank, self.world_size)
-
     def split(self, n: int) -> tuple[int, int]:
         """This rank's contiguous part ``[start, end)`` of ``n`` items (same rule as classes)."""
         return split_range(n, self.rank, self.world_size)

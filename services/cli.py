@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipelines.config import ConfigError, describe, load_config
 from pipelines.data import DataError
-from services import auth
+from services import auth, retrain
 from services.cluster import ClusterError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ClusterError)
@@ -132,6 +132,14 @@ def _cmd_data_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_manifest(args: argparse.Namespace) -> int:
+    from services.snapshots import MANIFEST, write_manifest
+
+    manifest = write_manifest(args.folder, args.id)
+    print(f"{Path(args.folder) / MANIFEST}: {len(manifest['files'])} files, checksum {manifest['checksum']}")
+    return 0
+
+
 def _cmd_data_build(args: argparse.Namespace) -> int:
     from pipelines.data.emoji import DEFAULT_ROOT, DESIGNS, build_emoji
 
@@ -174,7 +182,7 @@ def _cmd_tune_best(args: argparse.Namespace) -> int:
 
 # -- retrain / models / submit ------------------------------------------------------------------
 def _cmd_retrain(args: argparse.Namespace) -> int:
-    from services import registry, retrain
+    from services import registry
 
     req = retrain.RetrainRequest(
         model=args.model, data=args.data, config=args.config, from_champion=args.from_champion,
@@ -416,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("destination", help="s3://bucket/prefix (endpoint and keys from the AWS environment)")
     push.add_argument("--id", default=None, help="name recorded in the manifest (default: the folder's name)")
     push.set_defaults(func=_cmd_data_push)
+    man = data_sub.add_parser("manifest", help="write manifest.json (sha256 of every file) into a snapshot folder, "
+                              "for proxydml retrain --data FOLDER")
+    man.add_argument("folder", help="the snapshot folder (train/<class>/..., test/<class>/...)")
+    man.add_argument("--id", required=True, help="the snapshot's id (recorded with every model trained on it)")
+    man.set_defaults(func=_cmd_data_manifest)
 
     st = sub.add_parser("stack", help="local PostgreSQL + durable S3-compatible server + MLflow server on 127.0.0.1")
     st_opts = argparse.ArgumentParser(add_help=False)
@@ -456,14 +469,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from-champion", action="store_true",
                      help="the champion's training config (the default once a champion exists)")
     src.add_argument("--from-sweep", default=None, metavar="SWEEP", help="the best config of a sweep")
-    rt.add_argument("--margin", type=float, default=0.005,
-                    help="promote only if the candidate beats the champion by this much (default 0.005)")
-    rt.add_argument("--metric", default="map_at_r", help="decision metric (default map_at_r)")
+    rt.add_argument("--margin", type=float, default=retrain.DEFAULT_MARGIN,
+                    help=f"promote only if the candidate beats the champion by this much (default {retrain.DEFAULT_MARGIN})")
+    rt.add_argument("--metric", default=retrain.DEFAULT_METRIC, help=f"decision metric (default {retrain.DEFAULT_METRIC})")
     rt.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
     rt.add_argument("--address", default=None, help="Ray cluster address (default: local)")
     rt.add_argument("--cache-dir", default=None, help="where S3 snapshots are downloaded (default ~/.cache/proxydml)")
-    rt.add_argument("--lock-ttl", type=float, default=900.0,
-                    help="seconds a crashed retrain keeps the model locked (renewed while alive; default 900)")
+    rt.add_argument("--lock-ttl", type=float, default=retrain.DEFAULT_LOCK_TTL_S,
+                    help="seconds a crashed retrain keeps the model locked (renewed while alive; "
+                         f"default {retrain.DEFAULT_LOCK_TTL_S:g})")
     rt.add_argument("overrides", nargs="*", help="dotted key=value overrides of the source config")
     rt.set_defaults(func=_cmd_retrain)
 

@@ -39,18 +39,18 @@ from typing import Any
 
 import yaml
 
-from pipelines.config import Config, ConfigError, from_dict, load_recipe, load_yaml, merge, parse_overrides
-from pipelines.data import DataError
+from pipelines.config import Config, from_dict, load_recipe, load_yaml, merge, parse_overrides
 from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
 from services import auth, snapshots
-from services.snapshots import MANIFEST, Snapshot, SnapshotError, safe_name, write_manifest
+from services.snapshots import Snapshot, SnapshotError, safe_name
 
 # MLflow (services.registry, services.mlflow_tracking, services.sweep) and Ray
 # (services.training) are imported inside the functions that use them, for start-up time:
-# ``python -m services.retrain manifest`` needs neither.
+# ``proxydml retrain --help`` and a refused snapshot need neither.
 
 DEFAULT_MARGIN = 0.005
 DEFAULT_METRIC = "map_at_r"
+DEFAULT_LOCK_TTL_S = 900.0  # seconds a crashed retrain keeps the model locked (renewed while alive)
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: "try again later" -- what a cron wrapper should see
 
 
@@ -181,7 +181,7 @@ class RetrainRequest:
     tracking_uri: str | None = None
     address: str | None = None
     cache_dir: Path | None = None
-    lock_ttl_s: float = 900.0
+    lock_ttl_s: float = DEFAULT_LOCK_TTL_S
 
 
 @dataclass
@@ -419,22 +419,3 @@ def _tag_run(client: Any, run_id: str, model: str, version: str, decision: str, 
         client.set_tag(run_id, "retrain.reason", reason)
     except Exception as exc:
         print(f"warning: could not tag run {run_id}: {exc}", file=sys.stderr)
-
-
-USER_ERRORS = (RetrainError, SnapshotError, ConfigError, DataError, FileNotFoundError)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m services.retrain manifest ROOT SNAPSHOT_ID``: write a snapshot manifest."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 3 or args[0] != "manifest":
-        print("usage: python -m services.retrain manifest ROOT SNAPSHOT_ID", file=sys.stderr)
-        return 2
-    manifest = write_manifest(args[1], args[2])
-    print(f"{Path(args[1]) / MANIFEST}: {len(manifest['files'])} files, checksum {manifest['checksum']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

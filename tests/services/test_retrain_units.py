@@ -55,6 +55,15 @@ def make_snapshot(root: Path, snapshot_id: str, *, train=("0", "1", "2"), test=(
 # ---------------------------------------------------------------- snapshots -------------------
 
 
+def test_data_manifest_command_writes_what_retrain_verifies(tmp_path, capsys):
+    from services.cli import main
+
+    snap = make_snapshot(tmp_path / "s", "ignored", manifest=False)
+    assert main(["data", "manifest", str(snap), "--id", "snap-cli"]) == 0
+    assert f"{snap / snapshots.MANIFEST}: 18 files" in capsys.readouterr().out
+    assert snapshots.verify_snapshot(snap).snapshot_id == "snap-cli"
+
+
 def test_manifest_round_trip(tmp_path):
     snap = make_snapshot(tmp_path / "s", "snap-1")
     got = snapshots.verify_snapshot(snap)
@@ -222,13 +231,6 @@ def test_models_cli(store, name, capsys):
     assert code == 0 and "version 1 (champion)" in out and "snapshot_id" in out
     code, _, err = _cli(capsys, "models", "show", name, "--alias", "previous-champion", "--tracking-uri", store)
     assert code == 2 and "has no alias 'previous-champion'" in err
-
-
-def test_manifest_command(tmp_path, capsys):
-    make_snapshot(tmp_path / "s", "x", manifest=False)
-    assert retrain.main(["manifest", str(tmp_path / "s"), "snap-x"]) == 0
-    assert snapshots.verify_snapshot(tmp_path / "s").snapshot_id == "snap-x"
-    assert retrain.main(["manifest"]) == 2
 
 
 @pytest.mark.parametrize("fail_at", ["create_version", "created", "promote", "promoted"])
