@@ -184,7 +184,9 @@ class ProxyLoss(nn.Module):
 
     # ----------------------------------------------------------------------------------
     def check_inputs(self, embeddings: Tensor, labels: Tensor) -> None:
-        """Shapes, dtype and label range; ValueError with the offending value."""
+        """Shapes, dtype and label range; ValueError with the offending value. The one check of
+        a training step, with no host sync on an accelerator (the functional layer's own check
+        is of shapes only)."""
         if embeddings.dim() != 2 or embeddings.shape[1] != self.embedding_dim:
             raise ValueError(f"embeddings must be (B, {self.embedding_dim}), got {tuple(embeddings.shape)}")
         if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
@@ -193,9 +195,13 @@ class ProxyLoss(nn.Module):
             raise ValueError(f"labels must be torch.long, got {labels.dtype}")
         if labels.numel() == 0:
             raise ValueError("empty batch")
-        lo, hi = torch.aminmax(labels)
-        if int(lo) < 0 or int(hi) >= self.num_classes:
-            raise ValueError(f"labels must lie in [0, {self.num_classes}), got min {int(lo)} max {int(hi)}")
+        if labels.device.type == "cpu":  # reading the range costs nothing on the host: name it
+            lo, hi = torch.aminmax(labels)
+            if int(lo) < 0 or int(hi) >= self.num_classes:
+                raise ValueError(f"labels must lie in [0, {self.num_classes}), got min {int(lo)} max {int(hi)}")
+        else:  # on an accelerator int() would stall the stream every step: the device checks it
+            torch._assert_async(((labels >= 0) & (labels < self.num_classes)).all(),
+                                f"labels must lie in [0, {self.num_classes})")
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """embeddings (B, d), labels (B,) long in [0, C) -> scalar loss.
