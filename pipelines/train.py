@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from pipelines import distributed as D
-from pipelines.config import Config
+from pipelines.config import Config, from_dict, load_yaml, merge, parse_overrides
 from pipelines.data import (
     DataSplit,
     SeededBatches,
@@ -443,8 +443,6 @@ def run(
 
 def load_model(checkpoint: Path, overrides: list[str] | None = None) -> tuple[Config, EmbeddingModel, DataSplit]:
     """Rebuild the trained model (and its data split) from a checkpoint folder."""
-    from pipelines.config import from_dict, load_yaml, merge, parse_overrides
-
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"checkpoint folder {checkpoint} does not exist")

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.config import DataConfig
-from pipelines.data import DataError, DataSplit, default_root
 from pipelines.data.transforms import ImageListDataset, eval_transform, train_transform
+from pipelines.data.types import DataError, DataSplit, default_root
 
 DEFAULT_ROOT = str(default_root(DataConfig(name="emoji")))  # where `proxydml data build emoji` writes
 

@@ -9,6 +9,7 @@ from torchvision import datasets
 
 from pipelines.config import DataConfig
 from pipelines.data.transforms import eval_transform, load_image, train_transform
+from pipelines.data.types import DataError
 
 
 class ImageFolderDataset(datasets.ImageFolder):
@@ -23,8 +24,6 @@ class ImageFolderDataset(datasets.ImageFolder):
 
 
 def image_folder(cfg: DataConfig) -> tuple[ImageFolderDataset, ImageFolderDataset]:
-    from pipelines.data import DataError
-
     root = Path(cfg.root)
     if not cfg.root:
         raise DataError("data.root must name the image folder for data.name=folder")

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.config import DataConfig
-from pipelines.data import DataError, DataSplit, default_root
 from pipelines.data.transforms import ImageListDataset, eval_transform, train_transform
+from pipelines.data.types import DataError, DataSplit, default_root
 
 DEFAULT_SIZE = 224
 

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from torchvision import transforms as T
 
 from pipelines.config import DataConfig
+from pipelines.data.types import DataError
 
 Transform = Callable[[Image.Image], torch.Tensor]
 
@@ -63,8 +64,6 @@ class ImageListDataset(Dataset):
         classes: Sequence[str] | None = None,
         names: Sequence[str] | None = None,
     ) -> None:
-        from pipelines.data import DataError
-
         self.samples = [(Path(p), int(y)) for p, y in samples]
         self.transform = transform
         self.name = name
@@ -91,8 +90,6 @@ class ImageListDataset(Dataset):
 
 def load_image(path: Path) -> Image.Image:
     """Decode an image file to RGB; DataError naming the file if it cannot be."""
-    from pipelines.data import DataError
-
     try:
         with Image.open(path) as im:
             return im.convert("RGB")  # convert() also forces the full decode inside the try
