@@ -9,20 +9,19 @@ epoch: embed the unseen classes, compute retrieval metrics, report them with a c
 
 from __future__ import annotations
 
-import json
 import math
-import random
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from pipelines import distributed as D
+from pipelines.checkpoint import load_checkpoint, save_checkpoint
 from pipelines.config import Config, from_dict, load_yaml, merge, parse_overrides
 from pipelines.data import (
     DataSplit,
@@ -37,19 +36,10 @@ from pipelines.evaluate import CROSS_GROUP_PREFIX, native_bf16, retrieval_metric
 from pipelines.models import EmbeddingModel
 from pipelines.plots import isa_snapshot, write_dashboard
 from pipelines.tracking import NullProgress, NullTracker, Reporter, Tracker
-from proxies import ShardContext, build_loss, load_shard_states, shard_state_dict
+from proxies import ShardContext, build_loss
 
-# The files every checkpoint has (rank 0 writes them). Rank r > 0 adds its proxy shard as
-# loss.rank{r}.pt (loss_shard_file): loss.pt is rank 0's shard, so a one-worker checkpoint
-# is exactly these files.
 # Wall-clock metrics: they differ between otherwise identical runs (equivalence tests skip them).
 TIMING_METRICS = ("epoch_time_s", "eval_time_s")
-CHECKPOINT_FILES = ("model.pt", "loss.pt", "optimizer.pt", "trainer_state.json", "config.yaml")
-
-
-def loss_shard_file(rank: int) -> str:
-    """File name of rank ``rank``'s loss shard in a checkpoint folder."""
-    return "loss.pt" if rank == 0 else f"loss.rank{rank}.pt"
 
 
 def build_loss_module(
@@ -162,109 +152,6 @@ def evaluate(model: nn.Module, split: DataSplit, cfg: Config, dev: torch.device,
     return None if embedded is None else score(split, *embedded, cfg)
 
 
-def _loss_param_indices(optimizer: torch.optim.Optimizer, loss_fn: nn.Module) -> dict[int, str]:
-    """Index in ``optimizer.state_dict()["state"]`` -> name in ``loss_fn`` of each loss parameter
-    (the state dict numbers the parameters of all groups in order)."""
-    names = {id(p): n for n, p in loss_fn.named_parameters()}
-    found, i = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in names:
-                found[i] = names[id(p)]
-            i += 1
-    return found
-
-
-def rng_state() -> dict[str, Any]:
-    """Every global random stream the run may draw from (torch CPU and CUDA, numpy, Python)."""
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "python": random.getstate(),  # (version, 625 ints, gauss_next): plain Python values
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` saved."""
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    random.setstate(state["python"])
-
-
-def save_checkpoint(
-    directory: Path, cfg: Config, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler, generator: torch.Generator, state: dict[str, Any],
-) -> list[str]:
-    """This rank's part of a checkpoint; written to a fresh folder, never in place.
-
-    Every rank writes its loss shard (:func:`loss_shard_file`: proxies, per-class Proxy-ISA
-    state and the proxies' optimiser state, with the global class range; rank 0's also
-    holds the replicated state: ISA memory queue and phases, Proxy Synthesis generator).
-    Rank 0 also writes the model, the rest of the optimiser state (replicated: DDP keeps
-    the model identical on every rank), the scheduler, the data generator, the trainer
-    state and the config. The file names differ per rank, so the folders of all ranks merge
-    into one checkpoint (Ray Train V2 uploads every rank's folder into the same one).
-    Returns the names of the files written.
-    """
-    rank = loss_fn.shard.rank
-    shard_file = loss_shard_file(rank)
-    torch.save(shard_state_dict(loss_fn, optimizer), directory / shard_file)
-    if rank != 0:
-        return [shard_file]
-    torch.save(D.unwrap(model).state_dict(), directory / "model.pt")
-    opt_state = optimizer.state_dict()
-    # The proxies' moments live in the loss shards (per class, resharded on load).
-    proxy_indices = _loss_param_indices(optimizer, loss_fn)
-    opt_state["state"] = {k: v for k, v in opt_state["state"].items() if k not in proxy_indices}
-    torch.save(
-        {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "generator": generator.get_state(),
-         "rng": rng_state()},
-        directory / "optimizer.pt",
-    )
-    (directory / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    (directory / "config.yaml").write_text(cfg.to_yaml())
-    return [shard_file, "model.pt", "optimizer.pt", "trainer_state.json", "config.yaml"]
-
-
-def load_checkpoint(
-    directory: Path, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, generator: torch.Generator | None = None,
-) -> dict[str, Any]:
-    """Restore a checkpoint written by any number of ranks into this rank's modules.
-
-    The loss shards are resharded to this rank's class range (``proxies.load_shard_states``);
-    they are memory-mapped, so a rank reads only the rows it owns.
-    """
-    missing = [f for f in CHECKPOINT_FILES if not (directory / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
-    model.load_state_dict(torch.load(directory / "model.pt", map_location="cpu", weights_only=True))
-    shard_files = [directory / "loss.pt", *sorted(directory.glob("loss.rank*.pt"))]
-    shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in shard_files]
-    proxy_optim = load_shard_states(loss_fn, shards)
-    if optimizer is not None:
-        opt = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
-        opt_state = opt["optimizer"]
-        for index, name in _loss_param_indices(optimizer, loss_fn).items():
-            if name in proxy_optim:
-                opt_state["state"][index] = proxy_optim[name]
-        optimizer.load_state_dict(opt_state)
-        if scheduler is not None:
-            scheduler.load_state_dict(opt["scheduler"])
-        if generator is not None:
-            generator.set_state(opt["generator"])
-            if "rng" in opt:  # checkpoints before 0.2 lack it
-                set_rng_state(opt["rng"])
-    return json.loads((directory / "trainer_state.json").read_text())
-
-
 def epoch_line(epoch: int, epochs: int, metrics: dict[str, float]) -> str:
     """The console's line for one epoch: loss, R@1 and MAP@R when evaluated, and seconds of
     training and evaluation. Every other metric goes to MLflow and the log file only."""
@@ -289,6 +176,188 @@ def whole_isa_snapshot(loss_fn: nn.Module, epoch: int) -> dict[str, Any] | None:
     return {k: D.gather_rows(v.to(dev)).cpu() if isinstance(v, torch.Tensor) else v for k, v in snap.items()}
 
 
+@dataclass
+class Session:
+    """What one worker's run holds from epoch to epoch (built by :func:`_build`)."""
+
+    cfg: Config
+    dev: torch.device
+    split: DataSplit
+    model: EmbeddingModel
+    loss_fn: nn.Module
+    shard: ShardContext
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator
+    start_epoch: int = 0
+    resumes: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    embedded: tuple[torch.Tensor, torch.Tensor] | None = None  # the last evaluation's (rank 0)
+    isa_states: list[dict[str, Any]] = field(default_factory=list)  # per epoch, for the dashboard (rank 0)
+    # Set by _prepare_loop, once the checkpoint is loaded (DDP broadcasts rank 0's weights).
+    ddp_model: nn.Module | None = None
+    sampler: SeededBatches | None = None
+    loader: DataLoader | None = None
+
+
+def _build(cfg: Config) -> Session:
+    """Data, model, this rank's proxy shard, optimiser and scheduler, seeded alike on every rank."""
+    dev = D.device()
+    torch.manual_seed(cfg.train.seed)  # identical init on every rank (DDP also broadcasts)
+    if cfg.train.eval_precision == "bf16" and not native_bf16(dev):
+        D.print0(f"note: train.eval_precision=bf16, but this {dev.type} has no native bfloat16: evaluating in fp32")
+    split = build_datasets(cfg.data)
+    model = EmbeddingModel(cfg.model, split.train[0][0].shape[0]).to(dev)
+    if D.world_size() > 1 and cfg.model.sync_bn:
+        # BatchNorm over the global batch: the W-worker forward is the one-worker forward.
+        D.sync_batch_norm(model, dev)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    # This rank's contiguous class range of the proxies (all of them with one worker).
+    shard = ShardContext.from_process_group(split.num_classes)
+    loss_fn = build_loss_module(cfg, split.num_classes, generator, shard).to(dev)
+    optimizer = build_optimizer(cfg, model, loss_fn)
+    return Session(cfg, dev, split, model, loss_fn, shard, optimizer, build_scheduler(cfg, optimizer), generator)
+
+
+def _resume(s: Session, reporter: Reporter, tracker: Tracker) -> None:
+    """Load the reporter's latest checkpoint, if any (resharded to this worker count), tag a
+    change of worker count, and replay the checkpoint's history to the tracker."""
+    world, previous_world = D.world_size(), None
+    with reporter.latest_checkpoint() as ckpt:
+        if ckpt is not None:
+            state = load_checkpoint(Path(ckpt), s.model, s.loss_fn, s.optimizer, s.scheduler, s.generator)
+            s.start_epoch, s.history = state["epoch"], state.get("history", [])
+            s.resumes = state.get("resumes", 0) + 1  # restarts after failures count here too
+            previous_world = state.get("world_size")
+            D.print0(f"resumed from {ckpt} after epoch {s.start_epoch}")
+    if previous_world != world and s.start_epoch < s.cfg.train.epochs:
+        # The worker count from this epoch on (an elastic run resized after a lost node or when
+        # capacity returned; the proxies were resharded above): tags workers.epoch_<first epoch>.
+        # torch_threads: what each worker computes with (scaling.cpus_per_worker, see services).
+        tracker.set_tags({f"workers.epoch_{s.start_epoch + 1}": str(world),
+                          "torch_threads": str(torch.get_num_threads())})
+        if previous_world is not None:
+            D.print0(f"resized: {previous_world} -> {world} workers from epoch {s.start_epoch + 1}, "
+                     "proxies resharded")
+    for past in s.history:
+        # The checkpoint's history is the record: a rank 0 lost with its node may have died
+        # before its tracker delivered the last epochs. Steps the run holds are not sent again.
+        tracker.log_metrics({k: v for k, v in past.items() if k != "epoch"}, step=int(past["epoch"]))
+
+
+def _prepare_loop(s: Session) -> None:
+    """DDP around the (loaded) model, and the loader of this rank's slice of every global batch."""
+    s.ddp_model = D.wrap_ddp(s.model, s.dev)
+    # Items are (index, augmentation seed from the global position): crops and flips are the
+    # same for any W and any number of loader processes (pipelines/data/samplers.py). The
+    # loader's own generator only seeds its worker processes, which draw nothing: a private
+    # one keeps it off the global stream.
+    s.sampler = SeededBatches(build_batch_sampler(
+        dataset_labels(s.split.train), s.cfg.data, rank=D.rank(), world_size=D.world_size(), seed=s.cfg.train.seed
+    ))
+    s.loader = DataLoader(SeededSamples(s.split.train), batch_sampler=s.sampler,
+                          num_workers=s.cfg.data.loader_workers, generator=torch.Generator().manual_seed(s.cfg.train.seed))
+
+
+def _train_epoch(s: Session, epoch: int, reporter: Reporter) -> tuple[float, float]:
+    """One epoch of steps; returns (mean loss, seconds)."""
+    assert s.ddp_model is not None and s.sampler is not None and s.loader is not None
+    cfg, dev, t0 = s.cfg, s.dev, time.perf_counter()
+    s.sampler.set_epoch(epoch)
+    set_loss_epoch(s.loss_fn, epoch, cfg)
+    warmup = epoch < cfg.optim.warmup_epochs
+    backbone_params = [p for p in s.model.backbone.parameters() if p.requires_grad]
+    # bf16 training on GPUs only: on CPUs, even with AMX, it measured slower than fp32 (docs/benchmarks.md)
+    use_bf16 = dev.type == "cuda" and native_bf16(dev)
+    s.ddp_model.train()
+    total, steps = 0.0, 0
+    n_steps = min(len(s.loader), cfg.train.max_steps_per_epoch or len(s.loader))
+    bar = reporter.progress(n_steps, f"epoch {epoch + 1}/{cfg.train.epochs}") if D.rank() == 0 else NullProgress()
+    for step, (images, labels, _) in enumerate(s.loader):
+        if step >= n_steps:
+            break
+        images, labels = images.to(dev, non_blocking=True), labels.to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+            local = s.ddp_model(images)
+        # The loss runs outside autocast in float32 (its GEMMs too): the margins and
+        # alpha = 32 need it. The gather's backward sums every rank's partial gradient.
+        loss = s.loss_fn(s.shard.gather_embeddings(local.float()), s.shard.all_gather(labels))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1} step {step}")
+        s.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if warmup:  # backbone frozen: DDP still reduced its grads, the optimiser skips them
+            for p in backbone_params:
+                p.grad = None
+        if cfg.optim.grad_clip_value:
+            params = [p for g in s.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_value_(params, cfg.optim.grad_clip_value)
+        s.optimizer.step()
+        total += loss.item()
+        steps += 1
+        bar.update()
+        if cfg.train.log_every and step % cfg.train.log_every == 0:
+            D.print0(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}")
+    bar.close()
+    s.scheduler.step()
+    if not cfg.model.sync_bn:
+        D.average_buffers(s.model)  # one BatchNorm state on every rank to evaluate and save
+    return total / max(steps, 1), time.perf_counter() - t0
+
+
+def _evaluate_if_due(s: Session, epoch: int, eval_cache: FrozenFeatureCache) -> dict[str, float]:
+    """Retrieval metrics and ``eval_time_s`` on rank 0 when this epoch is scored ({} otherwise).
+
+    Embedding every unseen image costs about a tenth of an epoch's training on CPU; long runs
+    can look less often (``train.eval_every``), but the last epoch is always scored.
+    """
+    if not (epoch + 1 == s.cfg.train.epochs or (epoch + 1) % s.cfg.train.eval_every == 0):
+        return {}
+    t_eval = time.perf_counter()
+    s.embedded = embed_eval_set(s.ddp_model, s.split, s.cfg, s.dev, eval_cache)
+    if s.embedded is None:  # ranks other than 0
+        return {}
+    scores = score(s.split, *s.embedded, s.cfg)
+    return {"eval_time_s": time.perf_counter() - t_eval, **scores}
+
+
+def _record_epoch(s: Session, epoch: int, metrics: dict[str, float], tracker: Tracker) -> None:
+    """Rank 0: the history, the console line, the tracker; every rank: the ISA state (a collective)."""
+    isa_state = whole_isa_snapshot(s.loss_fn, epoch + 1)
+    if D.rank() == 0:
+        s.history.append({k: float(v) for k, v in metrics.items()})
+        D.print0(epoch_line(epoch + 1, s.cfg.train.epochs, metrics))
+        tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch + 1)
+        if isa_state is not None:
+            s.isa_states.append(isa_state)
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError("training loss is not finite")
+
+
+def _checkpoint(s: Session, epoch: int, metrics: dict[str, float], reporter: Reporter,
+                extra_state: dict[str, Any] | None) -> None:
+    """Every rank writes its part of the epoch's checkpoint (its proxy shard; rank 0 the rest)
+    into a fresh folder and reports it with the metrics."""
+    with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
+        state = {"epoch": epoch + 1, "run_name": s.cfg.run_name(), "world_size": D.world_size(),
+                 "resumes": s.resumes, "history": s.history, **(extra_state or {})}
+        save_checkpoint(Path(tmp), s.cfg, s.model, s.loss_fn, s.optimizer, s.scheduler, s.generator, state)
+        reporter.report(metrics, Path(tmp))
+
+
+def _dashboard(s: Session, tracker: Tracker) -> None:
+    """The run's plots (rank 0), over every class whatever the worker count."""
+    # The shards, contiguous class ranges in rank order, are gathered into the whole bank
+    # (a collective: every rank calls it).
+    proxies = getattr(s.loss_fn, "proxies", None)
+    bank = D.gather_rows(proxies.detach()).cpu() if isinstance(proxies, torch.Tensor) else None
+    if D.rank() == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
+        # The last epoch is always evaluated: its embeddings are the dashboard's (embedding the
+        # unseen set again on rank 0 alone would cost a full uncached fp32 pass).
+        write_dashboard(tracker, s.history, s.model, s.split.test, bank, s.isa_states, s.dev,
+                        s.cfg.data.eval_batch_size, embedded=s.embedded)
+
+
 def run(
     cfg: Config, reporter: Reporter, tracker: Tracker | None = None, extra_state: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -297,148 +366,21 @@ def run(
     ``extra_state`` (e.g. the MLflow run id) is stored in every checkpoint's trainer_state.json.
     """
     tracker = tracker if (tracker is not None and D.rank() == 0) else NullTracker()
-    dev = D.device()
-    rank, world = D.rank(), D.world_size()
-    torch.manual_seed(cfg.train.seed)  # identical init on every rank (DDP also broadcasts)
-    if cfg.train.eval_precision == "bf16" and not native_bf16(dev):
-        D.print0(f"note: train.eval_precision=bf16, but this {dev.type} has no native bfloat16: evaluating in fp32")
-
-    split = build_datasets(cfg.data)
-    in_channels = split.train[0][0].shape[0]
-    model = EmbeddingModel(cfg.model, in_channels).to(dev)
-    if world > 1 and cfg.model.sync_bn:
-        # BatchNorm over the global batch: the W-worker forward is the one-worker forward.
-        D.sync_batch_norm(model, dev)
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    # This rank's contiguous class range of the proxies (all of them with one worker).
-    shard = ShardContext.from_process_group(split.num_classes)
-    loss_fn = build_loss_module(cfg, split.num_classes, generator, shard).to(dev)
-    optimizer = build_optimizer(cfg, model, loss_fn)
-    scheduler = build_scheduler(cfg, optimizer)
-
-    start_epoch, history, resumes, previous_world = 0, [], 0, None
-    with reporter.latest_checkpoint() as ckpt:
-        if ckpt is not None:
-            state = load_checkpoint(Path(ckpt), model, loss_fn, optimizer, scheduler, generator)
-            start_epoch, history = state["epoch"], state.get("history", [])
-            resumes = state.get("resumes", 0) + 1  # restarts after failures count here too
-            previous_world = state.get("world_size")
-            D.print0(f"resumed from {ckpt} after epoch {start_epoch}")
-    if previous_world != world and start_epoch < cfg.train.epochs:
-        # The worker count from this epoch on (an elastic run resized after a lost node or when
-        # capacity returned; the proxies were resharded above): tags workers.epoch_<first epoch>.
-        # torch_threads: what each worker computes with (scaling.cpus_per_worker, see services).
-        tracker.set_tags({f"workers.epoch_{start_epoch + 1}": str(world),
-                          "torch_threads": str(torch.get_num_threads())})
-        if previous_world is not None:
-            D.print0(f"resized: {previous_world} -> {world} workers from epoch {start_epoch + 1}, "
-                     "proxies resharded")
-    for past in history:
-        # The checkpoint's history is the record: a rank 0 lost with its node may have died
-        # before its tracker delivered the last epochs. Steps the run holds are not sent again.
-        tracker.log_metrics({k: v for k, v in past.items() if k != "epoch"}, step=int(past["epoch"]))
-
-    ddp_model = D.wrap_ddp(model, dev)
-    # Items are (index, augmentation seed from the global position): crops and flips are the
-    # same for any W and any number of loader processes (pipelines/data/samplers.py). The
-    # loader's own generator only seeds its worker processes, which draw nothing: a private
-    # one keeps it off the global stream.
-    sampler = SeededBatches(build_batch_sampler(
-        dataset_labels(split.train), cfg.data, rank=rank, world_size=world, seed=cfg.train.seed
-    ))
-    loader = DataLoader(SeededSamples(split.train), batch_sampler=sampler, num_workers=cfg.data.loader_workers,
-                        generator=torch.Generator().manual_seed(cfg.train.seed))
-    backbone_params = [p for p in model.backbone.parameters() if p.requires_grad]
-    # bf16 training on GPUs only: on CPUs, even with AMX, it measured slower than fp32 (README)
-    use_bf16 = dev.type == "cuda" and native_bf16(dev)
-    metrics: dict[str, float] = {}
-    embedded: tuple[torch.Tensor, torch.Tensor] | None = None  # the last evaluation's (rank 0)
-    isa_states: list[dict[str, Any]] = []  # Proxy-ISA state per epoch, for the dashboard (rank 0)
+    s = _build(cfg)
+    _resume(s, reporter, tracker)
+    _prepare_loop(s)
     # The frozen stages' outputs for this rank's evaluation chunks, computed once per run.
     eval_cache = FrozenFeatureCache(cfg.data.eval_cache_mb * 2**20)
-
-    for epoch in range(start_epoch, cfg.train.epochs):
-        t0 = time.perf_counter()
-        sampler.set_epoch(epoch)
-        set_loss_epoch(loss_fn, epoch, cfg)
-        warmup = epoch < cfg.optim.warmup_epochs
-        ddp_model.train()
-        total, steps = 0.0, 0
-        n_steps = min(len(loader), cfg.train.max_steps_per_epoch or len(loader))
-        bar = reporter.progress(n_steps, f"epoch {epoch + 1}/{cfg.train.epochs}") if rank == 0 else NullProgress()
-        for step, (images, labels, _) in enumerate(loader):
-            if step >= n_steps:
-                break
-            images, labels = images.to(dev, non_blocking=True), labels.to(dev)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
-                local = ddp_model(images)
-            # The loss runs outside autocast in float32 (its GEMMs too): the margins and
-            # alpha = 32 need it. The gather's backward sums every rank's partial gradient.
-            embeddings = shard.gather_embeddings(local.float())
-            all_labels = shard.all_gather(labels)
-            loss = loss_fn(embeddings, all_labels)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1} step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if warmup:  # backbone frozen: DDP still reduced its grads, the optimiser skips them
-                for p in backbone_params:
-                    p.grad = None
-            if cfg.optim.grad_clip_value:
-                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_value_(params, cfg.optim.grad_clip_value)
-            optimizer.step()
-            total += loss.item()
-            steps += 1
-            bar.update()
-            if cfg.train.log_every and step % cfg.train.log_every == 0:
-                D.print0(f"epoch {epoch + 1} step {step} loss {loss.item():.4f}")
-        bar.close()
-        scheduler.step()
-        if not cfg.model.sync_bn:
-            D.average_buffers(model)  # one BatchNorm state on every rank to evaluate and save
-        train_time = time.perf_counter() - t0
-
-        # Embedding every unseen image costs about as much as a tenth of an epoch's training on
-        # CPU; long runs can look less often, but the last epoch is always scored.
-        last = epoch + 1 == cfg.train.epochs
-        evaluated, t_eval = None, time.perf_counter()
-        if last or (epoch + 1) % cfg.train.eval_every == 0:
-            embedded = embed_eval_set(ddp_model, split, cfg, dev, eval_cache)
-            evaluated = None if embedded is None else score(split, *embedded, cfg)
-        metrics = {
-            "epoch": epoch + 1,
-            "loss": total / max(steps, 1),
-            "lr": optimizer.param_groups[1]["lr"],
-            "epoch_time_s": train_time,
-            **({"eval_time_s": time.perf_counter() - t_eval, **evaluated} if evaluated else {}),
-        }
-        isa_state = whole_isa_snapshot(loss_fn, epoch + 1)  # a collective: every rank calls it
-        if rank == 0:
-            history.append({k: float(v) for k, v in metrics.items()})
-            D.print0(epoch_line(epoch + 1, cfg.train.epochs, metrics))
-            tracker.log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step=epoch + 1)
-            if isa_state is not None:
-                isa_states.append(isa_state)
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError("training loss is not finite")
-        with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:
-            # Every rank writes its proxy shard (distinct file names); rank 0 the rest.
-            ckpt_dir = Path(tmp)
-            state = {"epoch": epoch + 1, "run_name": cfg.run_name(), "world_size": world,
-                     "resumes": resumes, "history": history, **(extra_state or {})}
-            save_checkpoint(ckpt_dir, cfg, model, loss_fn, optimizer, scheduler, generator, state)
-            reporter.report(metrics, ckpt_dir)
-    # The plots show every class whatever the worker count: the shards, contiguous class
-    # ranges in rank order, are gathered into the whole bank (a collective: every rank calls it).
-    proxies = getattr(loss_fn, "proxies", None)
-    bank = D.gather_rows(proxies.detach()).cpu() if isinstance(proxies, torch.Tensor) else None
-    if rank == 0:  # plots under plots/ (pipelines/plots.py); nothing with the NullTracker
-        # The last epoch is always evaluated: its embeddings are the dashboard's (embedding the
-        # unseen set again on rank 0 alone would cost a full uncached fp32 pass).
-        write_dashboard(tracker, history, model, split.test, bank, isa_states, dev, cfg.data.eval_batch_size,
-                        embedded=embedded)
-    return metrics if rank == 0 else {}
+    metrics: dict[str, float] = {}
+    for epoch in range(s.start_epoch, cfg.train.epochs):
+        loss, train_time = _train_epoch(s, epoch, reporter)
+        evaluated = _evaluate_if_due(s, epoch, eval_cache)
+        metrics = {"epoch": epoch + 1, "loss": loss, "lr": s.optimizer.param_groups[1]["lr"],
+                   "epoch_time_s": train_time, **evaluated}
+        _record_epoch(s, epoch, metrics, tracker)
+        _checkpoint(s, epoch, metrics, reporter, extra_state)
+    _dashboard(s, tracker)
+    return metrics if D.rank() == 0 else {}
 
 
 def load_model(checkpoint: Path, overrides: list[str] | None = None) -> tuple[Config, EmbeddingModel, DataSplit]:

@@ -302,8 +302,8 @@ SAVE_AFTER = 2
 
 
 def _save(trainer: Trainer, folder: Path) -> None:
+    from pipelines.checkpoint import save_checkpoint
     from pipelines.config import load_config
-    from pipelines.train import save_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
@@ -312,7 +312,7 @@ def _save(trainer: Trainer, folder: Path) -> None:
 
 
 def _load(trainer: Trainer, folder: Path) -> None:
-    from pipelines.train import load_checkpoint
+    from pipelines.checkpoint import load_checkpoint
 
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
     state = load_checkpoint(folder, trainer.model, trainer.loss, trainer.optimizer, sched, torch.Generator())

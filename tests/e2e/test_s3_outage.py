@@ -34,7 +34,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.train import CHECKPOINT_FILES, load_model, loss_shard_file
+from pipelines.checkpoint import CHECKPOINT_FILES, loss_shard_file
+from pipelines.train import load_model
 from services import training
 from services.net import HOST, free_port
 from services.runtime import UPLOAD_RETRY_ENV, retry_upload, verify_upload

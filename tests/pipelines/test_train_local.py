@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from pipelines.checkpoint import CHECKPOINT_FILES
 from pipelines.config import load_config
 from pipelines.tracking import LocalReporter
-from pipelines.train import CHECKPOINT_FILES, TIMING_METRICS, evaluate_checkpoint, run
+from pipelines.train import TIMING_METRICS, evaluate_checkpoint, run
 
 OVERRIDES = ["train.max_steps_per_epoch=5", "scaling.num_workers=1", "model.width=8"]
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipelines.train import CHECKPOINT_FILES
+from pipelines.checkpoint import CHECKPOINT_FILES
 from services import training
 
 pytestmark = pytest.mark.ray
