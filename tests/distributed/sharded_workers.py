@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import proxies.functional as pf
+import proxies.fused as pf
 import proxies.sharding as sharding
 from proxies import ShardContext, build_loss, effective_number
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import proxies.functional as pf
+import proxies.fused as pf
 from proxies import (
     anchor_terms,
     cosine_similarity,
