@@ -141,7 +141,8 @@ def _cmd_data_manifest(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_build(args: argparse.Namespace) -> int:
-    from pipelines.data.emoji import DEFAULT_ROOT, DESIGNS, build_emoji
+    from pipelines.data.emoji import DEFAULT_ROOT
+    from pipelines.data.emoji_build import DESIGNS, build_emoji
 
     designs = args.designs or list(DESIGNS)
     out = build_emoji(args.out or DEFAULT_ROOT, designs=designs, size=args.size, tiny=args.tiny,

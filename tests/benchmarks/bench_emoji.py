@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.config import load_config  # noqa: E402
 from pipelines.data import DataSplit, build_datasets  # noqa: E402
-from pipelines.data.emoji import ensure_built  # noqa: E402
+from pipelines.data.emoji_build import ensure_built  # noqa: E402
 from pipelines.evaluate import embed, retrieval_metrics  # noqa: E402
 
 LOSSES = ("norm_softmax", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "proxy_isa")

@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipelines.config import load_config  # noqa: E402
-from pipelines.data.emoji import ensure_built  # noqa: E402
+from pipelines.data.emoji_build import ensure_built  # noqa: E402
 from services.search_space import default_grace, parse_space, resolve_space_file, trial_count  # noqa: E402
 
 PROXYDML = [str(Path(sys.executable).with_name("proxydml"))]  # the console script next to this Python

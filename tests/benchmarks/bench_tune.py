@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
 from pipelines.config import ConfigError, load_config  # noqa: E402
-from pipelines.data.emoji import ensure_built  # noqa: E402
+from pipelines.data.emoji_build import ensure_built  # noqa: E402
 from services import sweep  # noqa: E402
 
 METRIC = "map_at_r"

@@ -22,7 +22,7 @@ import yaml
 
 from pipelines.config import load_config
 from pipelines.data import build_datasets
-from pipelines.data.emoji import build_emoji
+from pipelines.data.emoji_build import build_emoji
 from pipelines.evaluate import embed, retrieval_metrics
 from pipelines.tracking import LocalReporter
 
@@ -77,7 +77,7 @@ def test_tiny_build_is_complete_counted_and_idempotent(tiny):
 
 
 def test_interrupted_build_resumes(tiny, tmp_path, monkeypatch):
-    from pipelines.data import emoji as emoji_mod
+    from pipelines.data import emoji_build as emoji_mod
 
     out = tmp_path / "resumed"
     shutil.copytree(tiny / ".cache", out / ".cache")  # the tarballs: no second download

@@ -22,7 +22,8 @@ from pipelines.data import (
     default_root,
     with_absolute_root,
 )
-from pipelines.data import emoji as emoji_mod
+from pipelines.data import emoji as emoji_loader
+from pipelines.data import emoji_build as emoji_mod
 from pipelines.data.transforms import eval_transform, train_transform
 
 RNG = np.random.default_rng(0)
@@ -422,7 +423,7 @@ def test_duplicates_are_counted_across_classes():
 
 def test_manifest_round_trip(tmp_path):
     make_emoji(tmp_path)
-    rows = emoji_mod.read_manifest(tmp_path)
+    rows = emoji_loader.read_manifest(tmp_path)
     assert len(rows) == 18 and set(rows[0]) == set(emoji_mod.MANIFEST_FIELDS)
     with (tmp_path / "manifest.csv").open() as f:
         assert f.readline().startswith("# stamp=")
