@@ -348,6 +348,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxydml", description="Proxy-based deep metric learning on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_config, _add_train, _add_tune, _add_tune_best, _add_eval, _add_report, _add_data, _add_stack,
+                _add_retrain, _add_models, _add_submit):
+        add(sub)  # one function per command: its arguments and handler
+    return parser
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
 
     cfg_p = sub.add_parser("config", help="inspect configurations")
     cfg_sub = cfg_p.add_subparsers(dest="config_command", required=True)
@@ -358,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--keys", action="store_true", help="list every config key with its doc")
     show.set_defaults(func=_cmd_config_show)
 
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train", help="train on Ray Train workers")
     tr.add_argument("--config", default=None, help="recipe name or YAML path")
     tr.add_argument("--address", default=None, help="Ray cluster address (default: local)")
@@ -365,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     tr.set_defaults(func=_cmd_train)
 
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
     tu = sub.add_parser("tune", help="hyper-parameter sweep on Ray Tune (or: tune best SWEEP)")
     tu.add_argument("--config", default=None, help="recipe name or YAML path")
     tu.add_argument("--space", required=True, help="search-space YAML (or a name under configs/search)")
@@ -383,11 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("overrides", nargs="*", help="dotted key=value overrides of the base config")
     tu.set_defaults(func=_cmd_tune)
 
+
+def _add_tune_best(sub: argparse._SubParsersAction) -> None:
     best = sub.add_parser("tune-best", help=argparse.SUPPRESS)
     best.add_argument("sweep", help="sweep name (printed by proxydml tune)")
     best.add_argument("--tracking-uri", default=None, help="MLflow URI (default: $MLFLOW_TRACKING_URI or ./mlruns)")
     best.set_defaults(func=_cmd_tune_best)
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="evaluate a saved checkpoint on the unseen classes (data.val_classes=0 "
                         "scores a model trained on a validation split on the test classes)")
     ev.add_argument("--checkpoint", required=True, help="checkpoint folder, or s3://bucket/prefix of one")
@@ -395,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. data.root=...)")
     ev.set_defaults(func=_cmd_eval)
 
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
     rep = sub.add_parser("report", help="HTML page comparing runs (params, metrics, plots)")
     rep.add_argument("targets", nargs="+", metavar="RUN_ID|EXPERIMENT",
                      help="run ids and/or experiment names or ids")
@@ -407,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "or to the experiment's 'report' run)")
     rep.set_defaults(func=_cmd_report)
 
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
     data_p = sub.add_parser("data", help="build offline data sets; push one to S3")
     data_sub = data_p.add_subparsers(dest="data_command", required=True)
     build = data_sub.add_parser("build", help="fetch (npm) and render a data set into an image folder")
@@ -431,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     man.add_argument("--id", required=True, help="the snapshot's id (recorded with every model trained on it)")
     man.set_defaults(func=_cmd_data_manifest)
 
+
+def _add_stack(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("stack", help="local PostgreSQL + durable S3-compatible server + MLflow server on 127.0.0.1")
     st_opts = argparse.ArgumentParser(add_help=False)
     st_opts.add_argument("--state-dir", default=None, help="pid files, logs, store (default .proxydml/stack)")
@@ -462,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--password-env", default=None, metavar="VAR", help="password from $VAR (default: generated)")
     su.set_defaults(func=_cmd_stack)
 
+
+def _add_retrain(sub: argparse._SubParsersAction) -> None:
     rt = sub.add_parser("retrain", help="retrain a registered model on a data snapshot; promote if better")
     rt.add_argument("--model", required=True, help="registered model name (models:/NAME)")
     rt.add_argument("--data", required=True, help="snapshot folder or s3://bucket/prefix (with manifest.json)")
@@ -482,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("overrides", nargs="*", help="dotted key=value overrides of the source config")
     rt.set_defaults(func=_cmd_retrain)
 
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
     mo = sub.add_parser("models", help="registered models: list | show | rollback | propose | promote")
     mo_opts = argparse.ArgumentParser(add_help=False)
     mo_opts.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
@@ -508,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (ls, sh, rb, pr, pm):
         p.set_defaults(func=_cmd_models)
 
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
     sj = sub.add_parser("submit", help="run a command as a Ray Job on a cluster and follow it: submit -- CMD...")
     sj.add_argument("--address", default=None,
                     help="Ray dashboard (http://host:8265) or cluster address (default RAY_ADDRESS, else local)")
@@ -518,7 +545,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "less what its .gitignore lists; '' ships nothing)")
     sj.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. proxydml retrain ...")
     sj.set_defaults(func=_cmd_submit)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
