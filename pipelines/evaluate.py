@@ -164,10 +164,44 @@ def retrieval_metrics(
             fewer than 2 classes in the gallery, a recall K below 1 or above the number of
             candidates, an empty query set, or no query with any relevant gallery item.
     """
+    gallery, queries, g_cls, q_cls, recall_ks = _checked_inputs(
+        embeddings, labels, query_embeddings, query_labels, recall_ks)
+    self_query = query_embeddings is None
+    r_q, g_grp, q_grp, extra = _relevant_counts(g_cls, q_cls, self_query, exclude_same_group)
+    valid = np.flatnonzero(r_q > 0)
+    if len(valid) == 0:
+        raise ValueError("no query has a relevant gallery item (every R_q is 0)")
+
+    gallery = _l2_normalise(gallery)
+    queries = gallery if self_query else _l2_normalise(queries)
+    index = _FlatIP(gallery)
+    per_query = _search_in_chunks(index, queries, valid, r_q, q_cls, g_cls, recall_ks, extra, self_query, g_grp, q_grp)
+
+    # Columns: recall hits per K, then P@1, R-Precision, MAP@R; mean over valid queries,
+    # except Recall@K, whose denominator counts the queries with R_q = 0 as misses.
+    means = per_query.mean(axis=0)
+    n_r = len(recall_ks)
+    hits = per_query[:, :n_r].sum(axis=0)
+    out = {f"{RECALL_PREFIX}{k}": float(hits[i] / len(queries)) for i, k in enumerate(recall_ks)}
+    map_at_r, r_precision, precision_at_1 = RANK_METRICS
+    out[map_at_r] = float(means[n_r + 2])
+    out[r_precision] = float(means[n_r + 1])
+    out[precision_at_1] = float(means[n_r])
+    if nmi:
+        out[NMI] = _kmeans_nmi(queries, q_cls, index.use_gpu)
+    return out
+
+
+def _checked_inputs(
+    embeddings: ArrayLike, labels: ArrayLike, query_embeddings: ArrayLike | None, query_labels: ArrayLike | None,
+    recall_ks: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(gallery (N, D), queries (M, D), gallery class ids (N,), query class ids (M,), recall
+    Ks), with every check of :func:`retrieval_metrics`' Raises. Labels of any dtype become
+    dense ids shared by gallery and queries, so classes are counted with bincount."""
     if (query_embeddings is None) != (query_labels is None):
         raise ValueError("give both query_embeddings and query_labels, or neither")
     self_query = query_embeddings is None
-
     gallery = _as_embeddings(embeddings, "embeddings")
     gallery_labels = _as_labels(labels, "labels", len(gallery))
     if self_query:
@@ -181,52 +215,54 @@ def retrieval_metrics(
             )
     if len(queries) == 0:
         raise ValueError("the query set is empty")
-
-    # Map labels (of any dtype) to dense ids shared by gallery and queries, so classes can
-    # be counted with bincount and compared as integers.
     _, ids = np.unique(np.concatenate([gallery_labels, q_labels]), return_inverse=True)
     ids = ids.reshape(-1)
     g_cls, q_cls = ids[: len(gallery)], ids[len(gallery) :]
-    n_classes = int(ids.max()) + 1
     if len(np.unique(g_cls)) < 2:
         raise ValueError("the gallery needs at least 2 classes")
-
     n_candidates = len(gallery) - int(self_query)
-    recall_ks = tuple(int(k) for k in recall_ks)
-    for k in recall_ks:
+    ks = tuple(int(k) for k in recall_ks)
+    for k in ks:
         if not 1 <= k <= n_candidates:
             raise ValueError(
                 f"recall k={k} must be in [1, {n_candidates}] (the number of candidates per query)"
             )
+    return gallery, queries, g_cls, q_cls, ks
 
-    # R_q: gallery items of the query's class, less itself / less its own group.
+
+def _relevant_counts(
+    g_cls: np.ndarray, q_cls: np.ndarray, self_query: bool,
+    exclude_same_group: tuple[ArrayLike, ArrayLike | None] | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+    """(R_q (M,), gallery groups, query groups, extra search depth): R_q counts the gallery
+    items of the query's class, less itself and less its own group's items; ``extra`` is how
+    many more neighbours a search needs to still have K after dropping them."""
+    n_classes = int(max(g_cls.max(), q_cls.max())) + 1
     r_q = np.bincount(g_cls, minlength=n_classes)[q_cls]
-    groups = _as_groups(exclude_same_group, self_query, len(gallery), len(queries))
+    groups = _as_groups(exclude_same_group, self_query, len(g_cls), len(q_cls))
     if groups is None:
-        g_grp = q_grp = None
-        r_q = r_q - int(self_query)
-        extra = int(self_query)
-    else:
-        g_grp, q_grp = groups
-        # Count (class, group) pairs in the gallery to subtract the query's own group.
-        # In the self-query case the query is in its own group, so this removes it too.
-        n_groups = int(max(g_grp.max(), q_grp.max())) + 1
-        pair_counts = np.bincount(g_cls * n_groups + g_grp, minlength=n_classes * n_groups)
-        r_q = r_q - pair_counts[q_cls * n_groups + q_grp]
-        # Enough extra neighbours to still have k after dropping the query's whole group.
-        group_sizes = np.bincount(g_grp, minlength=n_groups)
-        extra = int(group_sizes[q_grp].max()) + int(self_query)
+        return r_q - int(self_query), None, None, int(self_query)
+    g_grp, q_grp = groups
+    # Count (class, group) pairs in the gallery to subtract the query's own group.
+    # In the self-query case the query is in its own group, so this removes it too.
+    n_groups = int(max(g_grp.max(), q_grp.max())) + 1
+    pair_counts = np.bincount(g_cls * n_groups + g_grp, minlength=n_classes * n_groups)
+    r_q = r_q - pair_counts[q_cls * n_groups + q_grp]
+    group_sizes = np.bincount(g_grp, minlength=n_groups)
+    return r_q, g_grp, q_grp, int(group_sizes[q_grp].max()) + int(self_query)
 
-    valid = np.flatnonzero(r_q > 0)
-    if len(valid) == 0:
-        raise ValueError("no query has a relevant gallery item (every R_q is 0)")
 
-    gallery = _l2_normalise(gallery)
-    queries = gallery if self_query else _l2_normalise(queries)
-    index = _FlatIP(gallery)
+def _search_in_chunks(
+    index: _FlatIP, queries: np.ndarray, valid: np.ndarray, r_q: np.ndarray, q_cls: np.ndarray,
+    g_cls: np.ndarray, recall_ks: tuple[int, ...], extra: int, self_query: bool,
+    g_grp: np.ndarray | None, q_grp: np.ndarray | None,
+) -> np.ndarray:
+    """Per-query metric rows of the ``valid`` queries (see :func:`_per_query_metrics`).
 
-    # Sort the queries by R_q so each chunk searches only as deep as its own largest R_q:
-    # one huge class then does not force a deep search for every query.
+    The queries are sorted by R_q so each chunk searches only as deep as its own largest R_q
+    (one huge class does not force a deep search for every query), and a chunk holds at most
+    ``_MAX_CHUNK_ELEMENTS`` neighbour ids.
+    """
     order = valid[np.argsort(r_q[valid], kind="stable")]
     max_recall_k = max(recall_ks, default=1)
     parts: list[np.ndarray] = []
@@ -234,42 +270,19 @@ def retrieval_metrics(
     while start < len(order):
         stop = len(order)
         while True:  # shrink the chunk until (size x depth) fits the element budget
-            k_search = min(max(max_recall_k, int(r_q[order[stop - 1]])) + extra, len(gallery))
+            k_search = min(max(max_recall_k, int(r_q[order[stop - 1]])) + extra, index.ntotal)
             size = max(1, _MAX_CHUNK_ELEMENTS // k_search)
             if stop - start <= size:
                 break
             stop = start + size
         q_idx = order[start:stop]
         neighbours = index.search(queries[q_idx], k_search)
-        parts.append(
-            _per_query_metrics(
-                neighbours,
-                q_idx,
-                r_q[q_idx],
-                q_cls[q_idx],
-                g_cls,
-                recall_ks,
-                self_query=self_query,
-                g_grp=g_grp,
-                q_grp=None if q_grp is None else q_grp[q_idx],
-            )
-        )
+        parts.append(_per_query_metrics(
+            neighbours, q_idx, r_q[q_idx], q_cls[q_idx], g_cls, recall_ks, self_query=self_query,
+            g_grp=g_grp, q_grp=None if q_grp is None else q_grp[q_idx],
+        ))
         start = stop
-
-    # Columns: recall hits per K, then P@1, R-Precision, MAP@R; mean over valid queries,
-    # except Recall@K, whose denominator counts the queries with R_q = 0 as misses.
-    per_query = np.concatenate(parts)
-    means = per_query.mean(axis=0)
-    n_r = len(recall_ks)
-    hits = per_query[:, :n_r].sum(axis=0)
-    out = {f"{RECALL_PREFIX}{k}": float(hits[i] / len(queries)) for i, k in enumerate(recall_ks)}
-    map_at_r, r_precision, precision_at_1 = RANK_METRICS
-    out[map_at_r] = float(means[n_r + 2])
-    out[r_precision] = float(means[n_r + 1])
-    out[precision_at_1] = float(means[n_r])
-    if nmi:
-        out[NMI] = _kmeans_nmi(queries, q_cls, index.use_gpu)
-    return out
+    return np.concatenate(parts)
 
 
 def metric_names(recall_ks: Sequence[int] = DEFAULT_RECALL_KS, nmi: bool = False) -> tuple[str, ...]:
@@ -355,6 +368,11 @@ class _FlatIP:
         if self.use_gpu:
             self._res = faiss.StandardGpuResources()
             self.gpu = faiss.index_cpu_to_gpu(self._res, 0, self.cpu)
+
+    @property
+    def ntotal(self) -> int:
+        """The number of gallery vectors."""
+        return int(self.cpu.ntotal)
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
         """Ids ``(len(queries), k)`` of the k most similar gallery items, best first."""
