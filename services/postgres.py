@@ -229,6 +229,20 @@ def ensure_databases(state_dir: Path, port: int) -> None:
         conn.close()
 
 
+def has_table(state_dir: Path, port: int, database: str, table: str) -> bool:
+    """Whether ``database`` exists and holds ``table`` (False when the server is down)."""
+    try:
+        conn = connect(state_dir, port, database)
+    except Exception:  # no such database, or no server: no table either
+        return False
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (f"public.{table}",))
+            return bool(cur.fetchone()[0])
+    finally:
+        conn.close()
+
+
 def uri(port: int, database: str) -> str:
     """A SQLAlchemy URI with no password in it (libpq reads it from $PGPASSFILE)."""
     return f"postgresql+psycopg2://{USER}@{HOST}:{port}/{database}"

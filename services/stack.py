@@ -627,7 +627,7 @@ class Stack:
         secrets_file = self.state_dir / ADMIN_FILE
         values = _read_env_file(secrets_file)
         if not values.get("MLFLOW_TRACKING_PASSWORD"):
-            if (self.state_dir / "postgres" / "PG_VERSION").exists() or (self.state_dir / AUTH_DB_FILE).exists():
+            if self._has_user_store():
                 # MLflow creates the admin once, with the password it is given then.
                 raise StackError(f"{self.state_dir} holds a user store but its admin password "
                                  f"({secrets_file}) is gone; restore that file, or delete the user store to "
@@ -656,6 +656,12 @@ class Stack:
         return {"MLFLOW_AUTH_CONFIG_PATH": str(config),
                 "MLFLOW_AUTH_ADMIN_PASSWORD": values["MLFLOW_TRACKING_PASSWORD"],
                 _FLASK_KEY_ENV: values.get(_FLASK_KEY_ENV) or auth.generate_password()}
+
+    def _has_user_store(self) -> bool:
+        """Whether the auth app already created its users (it creates the admin only once)."""
+        if self.store == "postgresql":
+            return postgres.has_table(self.state_dir, self.db_port, "mlflow_auth", "users")
+        return (self.state_dir / AUTH_DB_FILE).exists()
 
     def _auth_database_uri(self) -> str:
         if self.store == "postgresql":  # no password in the URI: libpq reads $PGPASSFILE

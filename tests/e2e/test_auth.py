@@ -155,7 +155,7 @@ def test_admin_password_is_generated_private_and_never_shown(stack, users, capsy
                 continue
     # `up` again (with or without --auth): already running, authentication kept, nothing shown.
     code, out, err, _ = _cli(capsys, ["stack", "up", "--auth", "--state-dir", str(stack.state_dir)])
-    assert code == 0 and out.count("already running") == 2 and "basic auth" in out
+    assert code == 0 and out.count("already running") == 3 and "basic auth" in out  # db, s3, mlflow
     assert password not in out + err and all(p not in out + err for p in users.values())
     assert Stack(stack.state_dir).auth is True
     code, out, _, _ = _cli(capsys, ["stack", "status", "--state-dir", str(stack.state_dir)])

@@ -163,7 +163,7 @@ def test_secrets_stay_off_command_lines_and_reprs(tmp_path):
     assert TEST_CREDENTIALS.secret_key not in repr(TEST_CREDENTIALS)
 
 
-def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_path):
+def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_path, monkeypatch):
     plain = Stack(tmp_path / "plain", s3_port=free_port(), mlflow_port=free_port(), db_port=free_port(),
                   credentials=TEST_CREDENTIALS)
     cmd, env = plain._mlflow_command(TEST_CREDENTIALS)
@@ -185,8 +185,10 @@ def test_auth_is_opt_in_remembered_and_keeps_its_secrets_off_command_lines(tmp_p
     assert authed._mlflow_command(TEST_CREDENTIALS)[1]["MLFLOW_AUTH_ADMIN_PASSWORD"] == password
     authed._save_state()
     assert Stack(authed.state_dir).auth is True and password not in (authed.state_dir / "stack.json").read_text()
+    assert "postgresql+psycopg2://proxydml@127.0.0.1:" in (authed.state_dir / "basic_auth.ini").read_text()
     (authed.state_dir / "mlflow-admin.env").unlink()
-    (authed.state_dir / "basic_auth.db").touch()
+    # The auth database holds its users (the table the auth app creates with the admin).
+    monkeypatch.setattr(postgres, "has_table", lambda state, port, db, table: (db, table) == ("mlflow_auth", "users"))
     with pytest.raises(StackError, match="admin password .* is gone"):
         authed._mlflow_command(TEST_CREDENTIALS)
 
