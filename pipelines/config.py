@@ -516,6 +516,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if hint is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
+        if isinstance(value, bool):  # YAML read `scaling.use_gpu=true` as a bool: keep YAML's spelling
+            return "true" if value else "false"
         return "" if value is None else str(value)
     raise ConfigError(f"{key}: unsupported type {hint}")
 

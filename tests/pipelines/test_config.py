@@ -247,3 +247,9 @@ def test_explicit_cpus_per_worker_is_kept_and_negative_is_refused():
     assert cfg.scaling.resolved(64, sweep=True).cpus_per_worker == 3
     with pytest.raises(ConfigError, match="scaling.cpus_per_worker"):
         load_config("digits", ["scaling.cpus_per_worker=-1"])
+
+
+def test_a_yaml_bool_given_to_a_string_key_keeps_yamls_spelling():
+    # `scaling.use_gpu=true` on the command line is read by YAML as a bool.
+    assert load_config("digits", ["scaling.use_gpu=true"]).scaling.use_gpu == "true"
+    assert load_config("digits", ["scaling.use_gpu=false"]).scaling.use_gpu == "false"
