@@ -60,10 +60,9 @@ def test_cli_passes_asha_settings_and_rejects_bad_ones_before_any_trial(capsys, 
     assert not runs.exists() and not (tmp_path / "mlflow.db").exists()  # nothing half-written
 
 
-# The reality-check study's spaces (reality_*.yaml) are validated against their own recipes,
-# named in the study's method table: tests/services/test_reality_study.py.
-@pytest.mark.parametrize("space", sorted(p.name for p in sweep.SEARCH_DIR.glob("*.yaml")
-                                         if not p.name.startswith("reality_")))
+# The reality-check study's spaces are validated against their own recipes, named in the
+# study's method table: tests/benchmarks/study/test_reality_study.py.
+@pytest.mark.parametrize("space", sorted(p.name for p in sweep.SEARCH_DIR.glob("*.yaml")))
 def test_shipped_spaces_validate(space):
     recipe = {"proxy_isa.yaml": "proxy_isa_cub", "proxy_nca_pp.yaml": "proxy_nca_pp_cub",
               "proxy_synthesis.yaml": "proxy_synthesis_cub",
@@ -74,11 +73,19 @@ def test_shipped_spaces_validate(space):
     assert spec.space and spec.name().startswith("sweep-")
 
 
-def test_include_base_runs_the_recipes_own_point_first_with_the_losses_defaults_resolved():
+ISA_AND_LR = ("loss.V: {loguniform: [10.0, 1000.0]}\nloss.tau: {uniform: [0.5, 3.0]}\n"
+              "loss.h: {uniform: [0.05, 0.5]}\nloss.k: {uniform: [0.1, 1.0]}\noptim.lr: {loguniform: [3.0e-5, 3.0e-4]}\n")
+ANCHOR_AND_LR = ("loss.alpha: {uniform: [16.0, 64.0]}\nloss.delta: {uniform: [0.0, 0.3]}\n"
+                 "optim.lr: {loguniform: [3.0e-5, 3.0e-4]}\n")
+
+
+def test_include_base_runs_the_recipes_own_point_first_with_the_losses_defaults_resolved(tmp_path):
     base = load_config("emoji_proxy_isa")  # sets alpha, delta and lr; leaves V, tau, h, k to the loss
+    space = tmp_path / "isa_and_lr.yaml"
+    space.write_text(ISA_AND_LR)
     ok = dict(samples=4, scheduler="asha", search="optuna", max_concurrent=None, cluster_cpus=4)
-    plain = sweep.load_sweep(base, "reality_proxy_isa", **ok)
-    spec = sweep.load_sweep(base, "reality_proxy_isa", include_base=True, points=[{"optim.lr": 3e-5}], **ok)
+    plain = sweep.load_sweep(base, space, **ok)
+    spec = sweep.load_sweep(base, space, include_base=True, points=[{"optim.lr": 3e-5}], **ok)
     # the authors' defaults, as the loss's constructor has them (None in the config means those)
     assert spec.points == ({"loss.V": 100.0, "loss.tau": 1.5, "loss.h": 0.15, "loss.k": 0.9, "optim.lr": 1e-4},
                            {"optim.lr": 3e-5})
@@ -101,17 +108,19 @@ def test_cli_include_base_reaches_the_sweep(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err.count("stopped before any trial") == 2
 
 
-def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refused():
+def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refused(tmp_path):
     base = load_config("emoji_proxy_anchor")  # 1 warm-up epoch (head and proxies only), 5 epochs
+    space = tmp_path / "anchor_and_lr.yaml"
+    space.write_text(ANCHOR_AND_LR)
     ok = dict(samples=4, search="optuna", max_concurrent=None, cluster_cpus=4)
-    assert sweep.load_sweep(base, "reality_proxy_anchor", scheduler="asha", **ok).grace_period == 2
+    assert sweep.load_sweep(base, space, scheduler="asha", **ok).grace_period == 2
     with pytest.raises(ConfigError, match=r"ASHA grace period 1 ends inside the warm-up \(optim.warmup_epochs=1\)"
                                           r".*use --grace 2 or more"):
-        sweep.load_sweep(base, "reality_proxy_anchor", scheduler="asha", grace_period=1, **ok)
+        sweep.load_sweep(base, space, scheduler="asha", grace_period=1, **ok)
     # without ASHA there is no rung to misplace; without a warm-up the first epoch is a fair rung
-    assert sweep.load_sweep(base, "reality_proxy_anchor", scheduler="none", grace_period=1, **ok).grace_period == 1
+    assert sweep.load_sweep(base, space, scheduler="none", grace_period=1, **ok).grace_period == 1
     cold = load_config("emoji_proxy_anchor", ["optim.warmup_epochs=0"])
-    assert sweep.load_sweep(cold, "reality_proxy_anchor", scheduler="asha", **ok).grace_period == 1
+    assert sweep.load_sweep(cold, space, scheduler="asha", **ok).grace_period == 1
 
 
 def test_a_grid_runs_its_points_at_once_where_the_cluster_holds_them(tmp_path):

@@ -6,14 +6,14 @@ Reality Check" (2020), on the emoji benchmark:
 1. For each method, one ``proxydml tune`` sweep on a validation split of the seen classes
    (``data.val_classes``), never the test classes: the same number of trials for every
    method, ASHA, the method's own knobs plus the learning rate
-   (``pipelines/configs/search/reality_*.yaml``).
+   (``spaces/reality_*.yaml`` beside this script: the study's spaces are not product data).
 2. The sweep's best config trained with ``--seeds`` seeds on all seen classes
    (``proxydml train``) and scored on the unseen half.
 3. Mean +- std of R@1, MAP@R and cross-family R@1, and a verdict on each claim of the
    papers: holds beyond the seed spread (every seed of one beats every seed of the other),
    within the spread, or fails beyond it.
 
-The plain peer set-up (``emoji_peer_proxy_anchor``: all layers at 64 px, flips) is trained
+The plain peer set-up (``recipes/emoji_peer_proxy_anchor.yaml``: all layers at 64 px, flips) is trained
 the same way, untuned, as the baseline row. The losses that trailed it on the 128 px
 recipes are also tuned on the peer's own set-up (the ``*_full`` parts: only the loss
 changes). Every sweep runs the recipe's own point as its first trial (``--include-base``).
@@ -64,7 +64,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
+STUDY = Path(__file__).resolve().parent  # its spaces and the peer recipe live beside it, not in the product
 sys.path.insert(0, str(ROOT))
 
 from pipelines.config import load_config  # noqa: E402
@@ -75,7 +76,7 @@ PROXYDML = [str(Path(sys.executable).with_name("proxydml"))]  # the console scri
 METRICS = {"R@1": "recall_at_1", "MAP@R": "map_at_r", "cross-family R@1": "xgroup_recall_at_1"}
 
 
-# Cost model for the budget printed up front, measured on 2 cores (README, emoji benchmark):
+# Cost model for the budget printed up front, measured on 2 cores (docs/benchmarks.md, emoji benchmark):
 # seconds per training image and epoch at 128 px with 4 stages frozen and with every layer
 # trained at 64 px, per evaluation image at 160 px, and what every `proxydml` command pays to
 # start Ray and its workers.
@@ -86,12 +87,17 @@ S_START = 30.0
 SEEN_IMAGES = TEST_IMAGES = 793 * 5  # the emoji benchmark's seen and unseen halves
 
 
+def space(name: str) -> str:
+    """The path of one of the study's search spaces (``proxydml tune --space`` takes a path)."""
+    return str(STUDY / "spaces" / f"{name}.yaml")
+
+
 @dataclass(frozen=True)
 class Method:
     key: str  # part name and table row
     label: str
     recipe: str
-    space: str | None  # search space under configs/search; None: a fixed set-up, not tuned
+    space: str | None  # path of its search space (see space()); None: a fixed set-up, not tuned
     overrides: tuple[str, ...] = ()  # on top of the recipe, in the sweep (and so in its best config)
     s_per_train_image: float = S_PER_TRAIN_IMAGE  # the cost model's price of the recipe's epoch
     # The space is a grid, every point trained for the whole schedule (no ASHA, no sampling):
@@ -101,69 +107,69 @@ class Method:
 
 # The losses that trailed the peer, on the peer's own set-up (every layer trained at 64 px,
 # flips, GAP+GMP, constant lr, 12 epochs): the 128 px recipe with 4 frozen stages suits
-# ProxyNCA++ but left Proxy-Anchor 0.04 R@1 behind the peer that trains every layer (README).
-PEER = "emoji_peer_proxy_anchor"
+# ProxyNCA++ but left Proxy-Anchor 0.04 R@1 behind the peer that trains every layer (docs/study.md).
+PEER = str(STUDY / "recipes" / "emoji_peer_proxy_anchor.yaml")
 NCA_ON_PEER = ("loss.name=proxy_nca", "loss.alpha=null", "loss.delta=null")
 ISA_ON_PEER = ("loss.name=proxy_isa", "loss.memory_size=2048", "loss.memory_start_epoch=2")
 PS_ON_PEER = ("synthesis.enabled=true", "synthesis.alpha=0.4", "synthesis.mu=1.0")
 METHODS = (
-    Method("proxy_nca_pp", "ProxyNCA++", "emoji_proxy_nca_pp", "reality_proxy_nca_pp"),
-    Method("proxy_nca", "ProxyNCA", "emoji_proxy_nca", "reality_proxy_nca"),
-    Method("proxy_anchor", "Proxy-Anchor", "emoji_proxy_anchor", "reality_proxy_anchor"),
-    Method("proxy_isa", "Proxy-ISA", "emoji_proxy_isa", "reality_proxy_isa"),
-    Method("ps_proxy_nca_pp", "PS + ProxyNCA++", "emoji_proxy_nca_pp_ps", "reality_ps_proxy_nca_pp"),
-    Method("ps_proxy_anchor", "PS + Proxy-Anchor", "emoji_proxy_anchor_ps", "reality_ps_proxy_anchor"),
+    Method("proxy_nca_pp", "ProxyNCA++", "emoji_proxy_nca_pp", space("reality_proxy_nca_pp")),
+    Method("proxy_nca", "ProxyNCA", "emoji_proxy_nca", space("reality_proxy_nca")),
+    Method("proxy_anchor", "Proxy-Anchor", "emoji_proxy_anchor", space("reality_proxy_anchor")),
+    Method("proxy_isa", "Proxy-ISA", "emoji_proxy_isa", space("reality_proxy_isa")),
+    Method("ps_proxy_nca_pp", "PS + ProxyNCA++", "emoji_proxy_nca_pp_ps", space("reality_ps_proxy_nca_pp")),
+    Method("ps_proxy_anchor", "PS + Proxy-Anchor", "emoji_proxy_anchor_ps", space("reality_ps_proxy_anchor")),
     Method("peer", "plain peer set-up (untuned)", PEER, None, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
-    Method("proxy_nca_full", "ProxyNCA, all layers 64 px", PEER, "reality_full_proxy_nca", NCA_ON_PEER,
+    Method("proxy_nca_full", "ProxyNCA, all layers 64 px", PEER, space("reality_full_proxy_nca"), NCA_ON_PEER,
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
-    Method("proxy_anchor_full", "Proxy-Anchor, all layers 64 px", PEER, "reality_full_proxy_anchor",
+    Method("proxy_anchor_full", "Proxy-Anchor, all layers 64 px", PEER, space("reality_full_proxy_anchor"),
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
-    Method("proxy_isa_full", "Proxy-ISA, all layers 64 px", PEER, "reality_full_proxy_isa", ISA_ON_PEER,
+    Method("proxy_isa_full", "Proxy-ISA, all layers 64 px", PEER, space("reality_full_proxy_isa"), ISA_ON_PEER,
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
-    Method("ps_proxy_anchor_full", "PS + Proxy-Anchor, all layers 64 px", PEER, "reality_full_ps_proxy_anchor",
+    Method("ps_proxy_anchor_full", "PS + Proxy-Anchor, all layers 64 px", PEER, space("reality_full_ps_proxy_anchor"),
            PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64),
     # The Proxy-Anchor family, still behind the peer with its loss knobs tuned, with the lr
     # schedule as the lever: constant (the peer) or cosine, each at two peak lrs.
-    Method("proxy_anchor_sched", "Proxy-Anchor, all layers 64 px, lr schedule swept", PEER, "reality_full_schedule",
+    Method("proxy_anchor_sched", "Proxy-Anchor, all layers 64 px, lr schedule swept", PEER, space("reality_full_schedule"),
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
-    Method("proxy_isa_sched", "Proxy-ISA, all layers 64 px, lr schedule swept", PEER, "reality_full_schedule",
+    Method("proxy_isa_sched", "Proxy-ISA, all layers 64 px, lr schedule swept", PEER, space("reality_full_schedule"),
            ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     Method("ps_proxy_anchor_sched", "PS + Proxy-Anchor, all layers 64 px, lr schedule swept", PEER,
-           "reality_full_schedule", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           space("reality_full_schedule"), PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # Proxy-ISA, level with the peer at the lr its schedule grid chose, with the knob that
     # decides whether its sample-aware decay acts at all on 5 images a class: V.
-    Method("proxy_isa_decay", "Proxy-ISA, all layers 64 px, lr 1.5e-4, V swept", PEER, "reality_full_isa_decay",
+    Method("proxy_isa_decay", "Proxy-ISA, all layers 64 px, lr 1.5e-4, V swept", PEER, space("reality_full_isa_decay"),
            (*ISA_ON_PEER, "optim.lr=1.5e-4"), s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor, behind the peer at mu 1 and collapsing at lr 1.5e-4: fewer synthetic
     # classes per batch, with the peak lr.
-    Method("ps_proxy_anchor_mu", "PS + Proxy-Anchor, all layers 64 px, mu and lr swept", PEER, "reality_full_ps_mu",
+    Method("ps_proxy_anchor_mu", "PS + Proxy-Anchor, all layers 64 px, mu and lr swept", PEER, space("reality_full_ps_mu"),
            PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # Proxy-ISA at the lr and V its grids chose, with the knobs of its band of doubled-weight
     # positives, the one part of its weighting still active on 5 images a class: h and k.
-    Method("proxy_isa_band", "Proxy-ISA, all layers 64 px, lr 1.5e-4, h and k swept", PEER, "reality_full_isa_band",
+    Method("proxy_isa_band", "Proxy-ISA, all layers 64 px, lr 1.5e-4, h and k swept", PEER, space("reality_full_isa_band"),
            (*ISA_ON_PEER, "optim.lr=1.5e-4"), s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor at the paper's mu 1 and the lr its schedule grid chose, with the Beta
     # mixing that decides how close a synthetic lies to a real sample: alpha.
-    Method("ps_proxy_anchor_alpha", "PS + Proxy-Anchor, all layers 64 px, alpha swept", PEER, "reality_full_ps_alpha",
+    Method("ps_proxy_anchor_alpha", "PS + Proxy-Anchor, all layers 64 px, alpha swept", PEER, space("reality_full_ps_alpha"),
            PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor at the paper's alpha and mu, whose lr 1.5e-4 collapsed once the
     # backbone joined: a longer head-only warm-up, with the peak lr.
     Method("ps_proxy_anchor_warmup", "PS + Proxy-Anchor, all layers 64 px, warm-up and lr swept", PEER,
-           "reality_full_ps_warmup", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           space("reality_full_ps_warmup"), PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # Proxy-ISA at the authors' V, h and k (its grids' best), with the epoch its memory starts: before
     # it, S_learned is 1 and nearly every negative weighs 1 / E_c, in the backbone's first epoch.
     Method("proxy_isa_memory", "Proxy-ISA, all layers 64 px, memory start and lr swept", PEER,
-           "reality_full_isa_memory", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           space("reality_full_isa_memory"), ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # Proxy-ISA with the batch sampling of the authors' code (plain shuffling) or 32 x 2, where
     # the peer draws 16 classes x 4 images.
     Method("proxy_isa_sampler", "Proxy-ISA, all layers 64 px, batch sampling and lr swept", PEER,
-           "reality_full_sampler", ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           space("reality_full_sampler"), ISA_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor with 4 or 8 synthetic classes a batch, where the mu grid's trend points.
     Method("ps_proxy_anchor_small_mu", "PS + Proxy-Anchor, all layers 64 px, small mu and lr swept", PEER,
-           "reality_full_ps_small_mu", PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
+           space("reality_full_ps_small_mu"), PS_ON_PEER, s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
     # PS + Proxy-Anchor at the mu its small-mu grid chose, with the batch sampling and the lr.
     Method("ps_proxy_anchor_sampler", "PS + Proxy-Anchor, all layers 64 px, mu 1/16, batch sampling and lr swept",
-           PEER, "reality_full_sampler", (*PS_ON_PEER, "synthesis.mu=0.0625"),
+           PEER, space("reality_full_sampler"), (*PS_ON_PEER, "synthesis.mu=0.0625"),
            s_per_train_image=S_PER_TRAIN_IMAGE_FULL64, grid=True),
 )
 BY_KEY = {m.key: m for m in METHODS}
@@ -353,7 +359,7 @@ def run_final(config: str | Path, seed: int, args: argparse.Namespace, common: l
 
 # ----------------------------------------------------------------------------- report ----
 def summary(state: State, methods: Sequence[Method]) -> tuple[str, dict[str, Any]]:
-    """The README table (markdown) and the same as JSON."""
+    """The study's table (markdown, as in docs/study.md) and the same as JSON."""
     rows, out = [], {"methods": {}, "claims": {}}
     head = "| method | seeds | " + " | ".join(METRICS) + " | minutes per run | chosen on the validation split |"
     rows += [head, "|---|---:|" + "---:|" * (len(METRICS) + 1) + "---|"]
@@ -450,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
               f"budget about {2 * total / 3600:.1f} CPU-hours = {total / 3600:.1f} h of wall time on 2 cores", flush=True)
         for m in methods:
             tuned = ("untuned" if not m.space else
-                     f"grid {m.space} ({grid_points(m)} points x {epochs[m.key]} epochs)" if m.grid else
-                     f"sweep {m.space} (ASHA from epoch {grace[m.key]}, about "
+                     f"grid {Path(m.space).stem} ({grid_points(m)} points x {epochs[m.key]} epochs)" if m.grid else
+                     f"sweep {Path(m.space).stem} (ASHA from epoch {grace[m.key]}, about "
                      f"{asha_epochs(args.trials, epochs[m.key], grace[m.key]):.1f} epochs)")
             print(f"  part {m.key:20s} ~{est[m.key] / 60:4.0f} min  ({' '.join([m.recipe, *m.overrides])}, "
                   f"{epochs[m.key]} epochs, {tuned})", flush=True)
