@@ -43,7 +43,7 @@ postgres:
 
 test: $(STAMP) browser postgres
 	$(BIN)/ruff check proxies pipelines services tests
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The unit tier, for every edit: no Ray cluster, no servers, no worker processes (< 2 min).
 FAST := not ray and not e2e and not emoji and not multiprocess
