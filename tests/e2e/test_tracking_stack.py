@@ -18,9 +18,15 @@ import threading
 import time
 from pathlib import Path
 
+import mlflow
+import mlflow.pytorch
 import pytest
+import torch
+import yaml
 from mlflow.tracking import MlflowClient
 
+from pipelines.checkpoint import CHECKPOINT_FILES
+from pipelines.data import build_datasets
 from services import registry, training
 from services.mlflow_tracking import find_run
 from services.s3 import Credentials, s3_client
@@ -34,6 +40,8 @@ CREDS = Credentials("proxydml:e2e", "proxydml-e2e-SECRET-do-not-leak")
 PLOTS = {"plots/learning_curves.png", "plots/retrieval_grid.png", "plots/proxy_similarity.png",
          "plots/embedding_map.png"}
 MODEL = "stack-e2e-digits"
+METRIC_KEYS = {"recall_at_1", "recall_at_2", "recall_at_4", "recall_at_8", "map_at_r", "r_precision",
+               "precision_at_1", "loss"}
 STACK_EXPERIMENT = "tracking.experiment=stack-e2e"
 
 
@@ -55,12 +63,13 @@ def trained(ray_cluster, stack, digits_config):
     model registered as the champion."""
     with pytest.MonkeyPatch.context() as mp:
         _point_at(stack, mp)
-        cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, steps=4)
+        cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, steps=6)
         first = training.train(cfg)
-        after_two = {k: [m.step for m in MlflowClient(stack.tracking_uri).get_metric_history(first.mlflow_run_id, k)]
-                     for k in ("map_at_r",)}
+        client = MlflowClient(stack.tracking_uri)
+        after_two = {k: [(m.step, m.value) for m in client.get_metric_history(first.mlflow_run_id, k)]
+                     for k in ("map_at_r", "loss")}
         second = training.train(digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT,
-                                              epochs=3, steps=4))
+                                              epochs=3, steps=6))
     client = MlflowClient(stack.tracking_uri)
     registry.register_version(client, MODEL, run_id=second.mlflow_run_id, tags={}, description="stack e2e",
                               promote_it=True)
@@ -78,8 +87,11 @@ def _bucket_keys(stack: Stack) -> list[str]:
 def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
     cfg, first, second, after_two = trained
     assert first.checkpoint_path.startswith(f"s3://{stack.bucket}/ray/{cfg.run_name()}/checkpoint_")
-    assert after_two == {"map_at_r": [1, 2]}
-    assert second.resumed and second.mlflow_run_id == first.mlflow_run_id
+    assert [step for step, _ in after_two["map_at_r"]] == [1, 2]
+    assert not first.resumed and first.metrics["epoch"] == 2 and METRIC_KEYS <= set(first.metrics)
+    assert first.metrics["recall_at_1"] > 0.5  # digits 5-9 unseen in training: chance R@1 ~ 0.2
+    # The same run started again with one more epoch resumes from epoch 2, in the same MLflow run.
+    assert second.resumed and second.mlflow_run_id == first.mlflow_run_id and second.metrics["epoch"] == 3
 
     keys = _bucket_keys(stack)
     ray_ckpt = [k for k in keys if k.startswith(f"ray/{cfg.run_name()}/checkpoint_")]
@@ -96,8 +108,41 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
     assert run.data.params["tracking.storage_path"] == f"s3://{stack.bucket}/ray"
     assert run.data.tags["ray_checkpoint_path"] == second.checkpoint_path
     assert [m.step for m in client.get_metric_history(run.info.run_id, "map_at_r")] == [1, 2, 3]
+    losses = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert losses[:2] == after_two["loss"] and [s for s, _ in losses] == [1, 2, 3]  # epochs 1-2 not logged twice
+    assert len(client.search_runs([run.info.experiment_id], f"tags.ray_run_name = '{cfg.run_name()}'")) == 1
     listed = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert PLOTS <= listed
+    # Params, tags and the checkpoint's config: the flattened config, the run's identity.
+    assert set(run.data.params) == set(cfg.flat()) and run.data.params["loss.name"] == "proxy_anchor"
+    assert run.data.params["scaling.num_workers"] == "2"
+    assert run.data.tags["ray_run_name"] == cfg.run_name() and run.data.tags["world_size"] == "2"
+    assert run.data.tags["dataset"] == "digits" and run.data.tags["loss"] == "proxy_anchor" and run.data.tags["git_sha"]
+    # cpus_per_worker left automatic: this machine's cores / 2 workers, recorded concrete, and
+    # each worker computes with that many torch threads.
+    cpus = max(1, (os.cpu_count() or 1) // 2)
+    assert run.data.params["scaling.cpus_per_worker"] == str(float(cpus))
+    assert run.data.tags["torch_threads"] == str(cpus)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"checkpoint", "config.yaml"} <= artifacts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")} >= {
+        f"checkpoint/{f}" for f in CHECKPOINT_FILES}
+    with tempfile.TemporaryDirectory() as tmp:
+        stored = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="config.yaml",
+                                                          dst_path=tmp, tracking_uri=stack.tracking_uri))
+        stored_cfg = yaml.safe_load(stored.read_text())
+        state = json.loads(Path(mlflow.artifacts.download_artifacts(
+            run_id=run.info.run_id, artifact_path="checkpoint/trainer_state.json", dst_path=tmp,
+            tracking_uri=stack.tracking_uri)).read_text())
+    assert state["mlflow_run_id"] == first.mlflow_run_id  # a restarted worker continues this run
+    assert stored_cfg["loss"]["name"] == "proxy_anchor" and stored_cfg["scaling"]["cpus_per_worker"] == cpus
+    # The trained embedder is logged with mlflow.pytorch and loads back as a working model.
+    mlflow.set_tracking_uri(stack.tracking_uri)
+    model = mlflow.pytorch.load_model(f"runs:/{second.mlflow_run_id}/model")
+    images = torch.stack([build_datasets(cfg.data).test[i][0] for i in range(3)])
+    assert model(images).shape == (3, 64)
+    # System metrics sampled on the rank-0 worker's node while it trained.
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), sorted(run.data.metrics)
 
     # Secret scan: params, tags, metric keys, every object in the bucket, the server logs.
     secret = CREDS.secret_key
