@@ -52,11 +52,25 @@ def _env():
          "data.batch_size (48) must be divisible by scaling.num_workers (5)"),
     ],
 )
-def test_bad_input_gives_one_clear_error(tmp_path, args, message):
-    out = proxydml(*args, cwd=tmp_path)
+def test_bad_input_gives_one_clear_error(tmp_path, args, message, capsys, monkeypatch):
+    # In this process (a new interpreter per case cost 4-8 s each); the real process is below.
+    from services.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code = main(list(args))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert lines == [f"error: {lines[0].removeprefix('error: ')}"] and message in lines[0], err
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "runs").exists()
+
+
+def test_bad_input_through_the_real_command_is_one_line_and_exit_2(tmp_path):
+    out = proxydml("train", "model.frozen_stages=99", cwd=tmp_path)  # the driver builds the model first
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert lines == [f"error: {lines[0].removeprefix('error: ')}"] and message in lines[0], out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "backbone convnet has 3 stages" in lines[0], out.stderr
     assert not (tmp_path / "mlruns").exists() and not (tmp_path / "runs").exists()
     assert not (tmp_path / ".proxydml").exists()  # not even a console log
 

@@ -8,15 +8,16 @@ for the credentials.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlflow
 import mlflow.pytorch
@@ -28,6 +29,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.checkpoint import CHECKPOINT_FILES
 from pipelines.data import build_datasets
 from services import registry, training
+from services.cli import main as cli_main
 from services.mlflow_tracking import find_run
 from services.s3 import Credentials, s3_client
 from services.stack import Stack
@@ -185,12 +187,14 @@ def _what_the_team_has(stack: Stack, run_id: str, checkpoint: str) -> dict:
     champion = mlflow.pytorch.load_model(f"models:/{MODEL}@{registry.CHAMPION}")
     weights = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes()
                                       for t in champion.state_dict().values())).hexdigest()
+    # `proxydml eval --checkpoint s3://...` in this process (a new interpreter costs seconds),
+    # with the endpoint and keys in the environment as a user exports them.
     env = {**stack.client_env(with_credentials=True), "AWS_ENDPOINT_URL": stack.s3_endpoint}
-    out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--checkpoint", checkpoint, "--json"],
-                         capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    printed = io.StringIO()
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(printed):
+        assert cli_main(["eval", "--checkpoint", checkpoint, "--json"]) == 0
     return {"artifacts": artifacts, "objects": objects, "champion": weights,
-            "eval": json.loads(out.stdout.strip().splitlines()[-1]), "runs": _runs(client)}
+            "eval": json.loads(printed.getvalue().strip().splitlines()[-1]), "runs": _runs(client)}
 
 
 def _runs(client: MlflowClient) -> dict:
