@@ -99,7 +99,10 @@ def s3_client(endpoint: str | None = None, credentials: Credentials | None = Non
     if credentials is not None:
         keys = {"aws_access_key_id": credentials.access_key, "aws_secret_access_key": credentials.secret_key,
                 "region_name": credentials.region}
-    return boto3.client(
+    # A session of its own: boto3's default session keeps the first keys it resolved for the
+    # life of the process, so a later change of $AWS_ACCESS_KEY_ID (another stack, a rotated
+    # key) would sign with the old one.
+    return boto3.session.Session().client(
         "s3", endpoint_url=endpoint or None, **keys,
         config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": BOTO_MAX_ATTEMPTS}),
     )
