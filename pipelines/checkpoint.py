@@ -132,6 +132,6 @@ def load_checkpoint(
             scheduler.load_state_dict(opt["scheduler"])
         if generator is not None:
             generator.set_state(opt["generator"])
-            if "rng" in opt:  # checkpoints before 0.2 lack it
+            if "rng" in opt:  # a checkpoint written without the global streams resumes without them
                 set_rng_state(opt["rng"])
     return json.loads((directory / "trainer_state.json").read_text())

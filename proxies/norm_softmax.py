@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from .sharding import ShardContext
-from .softmax import SoftmaxProxyLoss, kaiming_uniform_linear_
+from .softmax import SoftmaxProxyLoss
 
-# kaiming_uniform_linear_ (its proxy init) stays importable from here, where it was defined.
-__all__ = ["NormSoftmaxLoss", "kaiming_uniform_linear_"]
+__all__ = ["NormSoftmaxLoss"]
 
 
 class NormSoftmaxLoss(SoftmaxProxyLoss):

@@ -162,7 +162,7 @@ class Stack:
         self._external_uri = backend_store_uri or os.environ.get(BACKEND_URI_ENV)
         if store is not None and store not in STORES:
             raise StackError(f"unknown store {store!r}; expected one of {STORES}")
-        # A state folder from before PostgreSQL was the default keeps its sqlite database.
+        # A state folder that holds a sqlite store keeps serving it (its runs live there).
         legacy = "sqlite" if (self.state_dir / "mlflow.db").exists() else None
         self.store = "external" if self._external_uri else (store or saved.get("store") or legacy or "postgresql")
         if s3_server is not None and s3_server not in S3_SERVERS:

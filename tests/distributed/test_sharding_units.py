@@ -16,7 +16,7 @@ from proxies import (
     softmax_terms,
     split_range,
 )
-from proxies.norm_softmax import kaiming_uniform_linear_
+from proxies.softmax import kaiming_uniform_linear_
 
 torch.set_num_threads(1)
 
