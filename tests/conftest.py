@@ -84,3 +84,38 @@ def make_stack():
     for st in started:
         st.down()
     shutil.rmtree(base, ignore_errors=True)
+
+
+CHROMIUM = os.environ.get("PROXYDML_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("PROXYDML_CHROMEDRIVER", "/usr/bin/chromedriver")
+INSTALL = ("apt-get update && apt-get install -y chromium chromium-driver  (Debian packages), "
+           "and pip install selenium into the venv")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Debian Chromium driven by Selenium, resolving no host but 127.0.0.1. Missing
+    Chromium is a failure with the install commands, never a skip: `make test` installs it."""
+    from pathlib import Path
+
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not (Path(p).is_file() and os.access(p, os.X_OK))]
+    if missing:
+        pytest.fail(f"headless browser test: {', '.join(missing)} missing; install with: {INSTALL}")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.fail(f"headless browser test: selenium is not installed; {INSTALL}")
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download a driver/browser
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}", "--window-size=1400,1000",
+                # Every host name but 127.0.0.1 fails to resolve: the pages cannot reach out.
+                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()

@@ -35,7 +35,6 @@ from services.cli import main as cli_main
 from services.mlflow_tracking import MlflowTracker, end_run
 from services.s3 import Credentials, s3_client
 from services.stack import ADMIN_FILE, AUTH_CONFIG_FILE, STATE_FILE, Stack
-from tests.e2e.test_browser import browser  # noqa: F401  (the headless Chromium fixture)
 from tests.e2e.test_retrain import write_digits_snapshot
 
 pytestmark = [pytest.mark.e2e]
@@ -255,7 +254,7 @@ def test_without_a_login_every_endpoint_the_cli_uses_answers_401(stack, users, t
     assert code == auth.EXIT_NOPERM and "did not accept the password of user 'rd' (401)" in _one_line_refusal(err)
 
 
-def test_mlflow_ui_answers_401_in_headless_chromium(browser, stack, users):  # noqa: F811
+def test_mlflow_ui_answers_401_in_headless_chromium(browser, stack, users):
     for page in ("/", "/#/experiments/0", "/ajax-api/2.0/mlflow/experiments/search"):
         browser.get(stack.tracking_uri + page)
         status = browser.execute_script(

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,10 +27,6 @@ from services.net import free_port
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = os.environ.get("PROXYDML_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("PROXYDML_CHROMEDRIVER", "/usr/bin/chromedriver")
-INSTALL = ("apt-get update && apt-get install -y chromium chromium-driver  (Debian packages), "
-           "and pip install selenium into the venv")
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
               "DO_NOT_TRACK": "true"}
 RUN_NAMES = ("alpha-proxy-anchor", "beta-proxy-isa")
@@ -62,31 +57,6 @@ def wait_for(driver, predicate, timeout: float, what: str):
         time.sleep(0.5)
     text = driver.find_element("tag name", "body").text[:1500]
     pytest.fail(f"{what} not seen within {timeout:.0f} s (last: {last!r}); page text:\n{text}")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not (Path(p).is_file() and os.access(p, os.X_OK))]
-    if missing:
-        pytest.fail(f"headless browser test: {', '.join(missing)} missing; install with: {INSTALL}")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.fail(f"headless browser test: selenium is not installed; {INSTALL}")
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download a driver/browser
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}", "--window-size=1400,1000",
-                # Every host name but 127.0.0.1 fails to resolve: the pages cannot reach out.
-                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(options=opts, service=Service(CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,31 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
         assert secret not in text
 
 
+def test_report_of_the_two_worker_run_leads_with_retrieval_in_chromium(stack, trained, browser, tmp_path):
+    """`proxydml report` of this 2-worker run, opened in headless Chromium: the retrieval
+    metrics lead, then the loss; MLflow's system metrics sit in their own collapsed section."""
+    from pipelines.evaluate import metric_names
+    from services import report
+
+    _, _, second, _ = trained
+    out = tmp_path / "report.html"
+    report.build_report([second.mlflow_run_id], out=out, tracking_uri=stack.tracking_uri, log=False)
+    browser.get(out.as_uri())
+    table = browser.find_element("css selector", "table.metrics")
+    keys = [row.find_element("tag name", "code").text for row in table.find_elements("css selector", "tbody tr")]
+    retrieval = list(metric_names())
+    assert keys[: len(retrieval) + 1] == [*retrieval, "loss"], keys
+    assert not any(k.startswith("system/") for k in keys), keys
+    folded = browser.find_element("css selector", "details.system")
+    assert folded.get_attribute("open") is None and folded.text.startswith("System metrics (")
+    browser.execute_script("arguments[0].scrollIntoView()", table)
+    shot = browser.get_screenshot_as_png()
+    (tmp_path / "report-two-workers.png").write_bytes(shot)
+    assert len(shot) > 10_000
+    folded.find_element("tag name", "summary").click()
+    assert "system/cpu_utilization_percentage" in folded.text
+
+
 def _artifact_paths(client: MlflowClient, run_id: str, path: str | None = None) -> list[str]:
     out = []
     for info in client.list_artifacts(run_id, path):
