@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,8 +69,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     install_data_resolver()  # a checkpoint trained on data.root=s3://... reads it from this node's cache
 
     if args.checkpoint.startswith("s3://"):  # a Ray checkpoint in the bucket (the stack's, say)
-        import tempfile
-
         from services.snapshots import SnapshotError, download_folder
 
         with tempfile.TemporaryDirectory(prefix="proxydml-ckpt-") as tmp:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from services.net import HOST
+from services.private_files import write_private
 
 USER = "proxydml"
 DATABASES = ("mlflow", "mlflow_auth")
@@ -112,11 +113,7 @@ def password(state_dir: Path) -> str | None:
 
 def write_pgpass(state_dir: Path, port: int, secret: str) -> Path:
     """``host:port:*:user:password`` for libpq, mode 0600 from creation on."""
-    path = state_dir / PGPASS_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"{HOST}:{port}:*:{USER}:{secret}\n")
-    return path
+    return write_private(state_dir / PGPASS_FILE, f"{HOST}:{port}:*:{USER}:{secret}\n")
 
 
 def initialise(data_dir: Path, state_dir: Path, port: int) -> None:
@@ -138,10 +135,7 @@ def initialise(data_dir: Path, state_dir: Path, port: int) -> None:
     if account is not None:
         os.chown(data_dir, account.pw_uid, account.pw_gid)
     # initdb reads the password from a file the server's account can read; removed right after.
-    pwfile = data_dir.parent / f".{data_dir.name}.pw"
-    fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secret + "\n")
+    pwfile = write_private(data_dir.parent / f".{data_dir.name}.pw", secret + "\n")
     if account is not None:
         os.chown(pwfile, account.pw_uid, account.pw_gid)
     try:

@@ -108,6 +108,14 @@ def s3_client(endpoint: str | None = None, credentials: Credentials | None = Non
     )
 
 
+def list_keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
+    """Every object key of ``bucket`` under ``prefix``, all pages (``client``: :func:`s3_client`)."""
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return keys
+
+
 def ray_storage(
     endpoint: str,
     bucket: str,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.s3 import s3_client
+from services.s3 import list_keys, s3_client
 
 MANIFEST = "manifest.json"
 SPLITS = ("train", "test")
@@ -217,16 +217,13 @@ def download_folder(location: str, dest: Path, *, option: str = "--checkpoint") 
     s3 = s3_client()
     found = 0
     try:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
-            for obj in page.get("Contents", []):
-                rel = obj["Key"][len(prefix) + 1 :]
-                if not rel or rel.endswith("/") or ".." in rel.split("/"):
-                    continue
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                s3.download_file(bucket, obj["Key"], str(dest / rel))
-                found += 1
-    except SnapshotError:
-        raise
+        for key in list_keys(s3, bucket, f"{prefix}/"):
+            rel = key[len(prefix) + 1 :]
+            if not rel or rel.endswith("/") or ".." in rel.split("/"):
+                continue
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, key, str(dest / rel))
+            found += 1
     except Exception as exc:  # unreachable endpoint, refused keys, no bucket: one line
         raise SnapshotError(f"{option} {location}: cannot download: {exc}") from exc
     if not found:

@@ -36,7 +36,6 @@ the same S3 server. S3 clients, the retrying filesystem and the endpoint lookup 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -54,7 +53,9 @@ from urllib.parse import urlsplit
 
 from services import auth, postgres, procs, swift
 from services.net import HOST, free_port, port_in_use
-from services.s3 import Credentials, ray_storage, s3_client
+from services.private_files import write_private
+from services.s3 import Credentials, list_keys, ray_storage, s3_client
+from services.snapshots import sha256_file
 from services.uris import redact
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ class Stack:
         if result.password is None:  # an existing user keeps its password
             return result, None
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        _write_private(path, "[mlflow]\n"
+        write_private(path, "[mlflow]\n"
                        f"mlflow_tracking_username = {username}\nmlflow_tracking_password = {result.password}\n")
         return result, path
 
@@ -453,14 +454,13 @@ class Stack:
             databases.append("mlflow.sqlite")
         objects = {}
         s3 = s3_client(self.s3_endpoint, self.credentials)
-        for key in _bucket_keys(s3, self.bucket):
+        for key in list_keys(s3, self.bucket):
             path = work / "objects" / _safe_key(key)
             path.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(self.bucket, key, str(path))
-            objects[key] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        for name in (ADMIN_FILE,):
-            if (self.state_dir / name).exists():
-                shutil.copy2(self.state_dir / name, work / name)
+            objects[key] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        if (self.state_dir / ADMIN_FILE).exists():  # the admin login the restored user store expects
+            shutil.copy2(self.state_dir / ADMIN_FILE, work / ADMIN_FILE)
         if (self.state_dir / USERS_DIR).is_dir():
             shutil.copytree(self.state_dir / USERS_DIR, work / USERS_DIR)
         manifest = {"format": 1, "store": self.store, "bucket": self.bucket, "auth": self.auth,
@@ -485,14 +485,13 @@ class Stack:
                              f"restore into a stack with the same store (--single-user is sqlite)")
         for key, meta in manifest["objects"].items():  # verify everything before changing anything
             path = source / "objects" / _safe_key(key)
-            if not path.is_file() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
                 raise StackError(f"backup object {key} is missing or damaged in {source}; nothing was restored")
         if manifest.get("auth") and not self.auth:
             self.auth = True
-        for name in (ADMIN_FILE,):
-            if (source / name).exists():
-                shutil.copy2(source / name, self.state_dir / name)
-                (self.state_dir / name).chmod(0o600)
+        if (source / ADMIN_FILE).exists():
+            shutil.copy2(source / ADMIN_FILE, self.state_dir / ADMIN_FILE)
+            (self.state_dir / ADMIN_FILE).chmod(0o600)
         if (source / USERS_DIR).is_dir():
             shutil.copytree(source / USERS_DIR, self.state_dir / USERS_DIR, dirs_exist_ok=True)
         self.stop_service("mlflow")
@@ -767,14 +766,6 @@ class Stack:
         _write_env_file(self.state_dir / CREDENTIALS_FILE, creds.env())
 
 
-def _bucket_keys(s3: Any, bucket: str) -> list[str]:
-    """Every object key of ``bucket`` (all pages)."""
-    keys: list[str] = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys += [o["Key"] for o in page.get("Contents", [])]
-    return keys
-
-
 def _safe_key(key: str) -> str:
     """An object key as a relative path inside a backup (a key that climbs out is refused)."""
     parts = [p for p in key.split("/") if p]
@@ -783,25 +774,9 @@ def _safe_key(key: str) -> str:
     return "/".join(parts) + ("/.object" if key.endswith("/") else "")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` with mode 0600 from creation on (never world-readable, even briefly)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(path, 0o600)  # an older file may have had wider bits
-
-
 def _write_env_file(path: Path, values: dict[str, str]) -> None:
     """A shell-sourceable ``export KEY=VALUE`` file, mode 0600 (the stack's secrets files)."""
-    _write_private(path, "".join(f"export {k}={v}\n" for k, v in values.items()))
+    write_private(path, "".join(f"export {k}={v}\n" for k, v in values.items()))
 
 
 def _read_env_file(path: Path) -> dict[str, str]:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from services.net import HOST, free_port
+from services.private_files import write_private
 from services.s3 import Credentials
 
 ACCOUNT = "proxydml"  # Swift account AUTH_proxydml holds every bucket; the S3 access key is ACCOUNT:USER
@@ -116,7 +117,9 @@ def prepare(root: Path, port: int, creds: Credentials) -> None:
     filters = {"catch_errors": "catch_errors", "gatekeeper": "gatekeeper", "healthcheck": "healthcheck",
                "proxy-logging": "proxy_logging", "listing_formats": "listing_formats", "copy": "copy",
                "slo": "slo", "dlo": "dlo"}
-    (root / "proxy-server.conf").write_text(
+    # The proxy's config holds the secret key: mode 0600 from creation on.
+    write_private(
+        root / "proxy-server.conf",
         common + f"bind_port = {port}\n\n"
         "[pipeline:main]\n"
         # s3api authenticates S3 requests against tempauth's users; slo serves multipart uploads.
@@ -127,8 +130,6 @@ def prepare(root: Path, port: int, creds: Credentials) -> None:
         f"[filter:tempauth]\nuse = egg:swift#tempauth\nuser_{ACCOUNT}_{user_key} = {creds.secret_key} .admin\n\n"
         + "".join(f"[filter:{section}]\nuse = egg:swift#{egg}\n\n" for section, egg in filters.items())
     )
-    for conf in root.glob("*-server.conf"):
-        conf.chmod(0o600)  # the proxy's holds the secret key
 
 
 def ring_ports(root: Path) -> dict[str, int]:

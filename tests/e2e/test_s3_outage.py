@@ -39,7 +39,7 @@ from pipelines.train import load_model
 from services import training
 from services.net import HOST, free_port
 from services.runtime import UPLOAD_RETRY_ENV, retry_upload, verify_upload
-from services.s3 import Credentials, retrying_s3_filesystem, s3_client
+from services.s3 import Credentials, list_keys, retrying_s3_filesystem, s3_client
 from services.stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -214,11 +214,7 @@ def relay(stack):
 
 
 def _bucket_keys(stack: Stack, prefix: str) -> list[str]:
-    s3 = s3_client(stack.s3_endpoint, CREDS)
-    keys: list[str] = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=stack.bucket, Prefix=prefix):
-        keys += [o["Key"] for o in page.get("Contents", [])]
-    return keys
+    return list_keys(s3_client(stack.s3_endpoint, CREDS), stack.bucket, prefix)
 
 
 def _relay_fs(relay: FlakyRelay, max_attempts: int) -> pyarrow.fs.S3FileSystem:

@@ -31,7 +31,7 @@ from pipelines.data import build_datasets
 from services import registry, training
 from services.cli import main as cli_main
 from services.mlflow_tracking import find_run
-from services.s3 import Credentials, s3_client
+from services.s3 import Credentials, list_keys, s3_client
 from services.stack import Stack
 from tests.benchmarks.bench_tracking_load import run_load
 
@@ -79,11 +79,7 @@ def trained(ray_cluster, stack, digits_config):
 
 
 def _bucket_keys(stack: Stack) -> list[str]:
-    s3 = s3_client(stack.s3_endpoint, CREDS)
-    keys: list[str] = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=stack.bucket):
-        keys += [o["Key"] for o in page.get("Contents", [])]
-    return keys
+    return list_keys(s3_client(stack.s3_endpoint, CREDS), stack.bucket)
 
 
 def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
