@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["RANK_METRICS", "embed", "eval_autocast", "format_metrics", "is_retrieval_metric", "metric_names",
-           "native_bf16", "retrieval_metrics"]
+           "faiss_gpus", "l2_normalise", "native_bf16", "retrieval_metrics"]
 
 ArrayLike = torch.Tensor | np.ndarray
 
@@ -172,8 +172,8 @@ def retrieval_metrics(
     if len(valid) == 0:
         raise ValueError("no query has a relevant gallery item (every R_q is 0)")
 
-    gallery = _l2_normalise(gallery)
-    queries = gallery if self_query else _l2_normalise(queries)
+    gallery = l2_normalise(gallery)
+    queries = gallery if self_query else l2_normalise(queries)
     index = _FlatIP(gallery)
     per_query = _search_in_chunks(index, queries, valid, r_q, q_cls, g_cls, recall_ks, extra, self_query, g_grp, q_grp)
 
@@ -364,7 +364,7 @@ class _FlatIP:
         self.cpu = faiss.IndexFlatIP(gallery.shape[1])
         self.cpu.add(gallery)
         self.gpu = None
-        self.use_gpu = getattr(faiss, "get_num_gpus", lambda: 0)() > 0
+        self.use_gpu = faiss_gpus() > 0
         if self.use_gpu:
             self._res = faiss.StandardGpuResources()
             self.gpu = faiss.index_cpu_to_gpu(self._res, 0, self.cpu)
@@ -463,7 +463,13 @@ def _as_groups(
     return ids[:n_gallery], ids[n_gallery:]
 
 
-def _l2_normalise(x: np.ndarray) -> np.ndarray:
+def faiss_gpus() -> int:
+    """GPUs faiss can use here (0 with faiss-cpu): every faiss search picks its device from this."""
+    return int(getattr(faiss, "get_num_gpus", lambda: 0)())
+
+
+def l2_normalise(x: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` (N, D) scaled to unit length, as contiguous float32 (N, D)."""
     # Same eps as torch.nn.functional.normalize: a zero vector stays zero.
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return np.ascontiguousarray(x / np.maximum(norms, 1e-12), dtype=np.float32)

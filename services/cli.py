@@ -1,4 +1,5 @@
-"""``proxydml`` command line: config, train, eval, tune, report, data, stack, retrain, models, submit.
+"""``proxydml`` command line: config, train, eval, tune, report, data, stack, retrain, models, index,
+search, submit.
 
 Every user error (bad config key or value, missing file, unusable data) ends with one line
 ``error: ...`` on stderr and exit code 2, before anything is started or written.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from pipelines.config import ConfigError, describe, load_config
 from pipelines.data import DataError
-from services import auth, retrain
+from services import aliases, auth, retrain
 from services.cluster import ClusterError
 
 USER_ERRORS = (ConfigError, DataError, FileNotFoundError, ClusterError)
@@ -226,6 +227,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
             return 0
         old, new = registry.rollback(client, args.name, args.to)
         print(f"model {args.name}: champion v{old} -> v{new} (previous-champion = v{old})")
+        serving = registry.aliases_of(client, args.name).get(aliases.SERVING)
+        if serving is not None:
+            print(f"model {args.name}: serving = v{serving}"
+                  + ("" if serving == new else f" (v{new} has no published index: serving stays)"))
         return 0
     except registry.RegistryError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -309,6 +314,54 @@ def _models_show(client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_index_build(args: argparse.Namespace) -> int:
+    from pipelines.index import IndexSpecError
+    from services import index, registry
+
+    req = index.BuildRequest(
+        model=args.model, gallery=args.gallery, tracking_uri=args.tracking_uri, factory=args.factory,
+        skip_bad=args.skip_bad, concurrency=args.concurrency, batch_size=args.batch_size, threads=args.threads,
+        serve=args.serve, min_recall=args.min_recall, address=args.address,
+    )
+    try:
+        result = index.build(req, log=lambda msg: print(msg, flush=True))
+    except (index.IndexBuildError, IndexSpecError, registry.RegistryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in result.lines():
+        print(line)
+    return 0
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from services import index
+    from services.mlflow_tracking import resolve_tracking_uri
+
+    if args.k < 1:
+        print(f"error: -k must be at least 1, got {args.k}", file=sys.stderr)
+        return 2
+    try:
+        ref = index.parse_model_ref(args.model, default_alias=args.alias)
+        if args.version:
+            ref = index.ModelRef(ref.name, None, args.version)
+        searcher = index.open_searcher(MlflowClient(resolve_tracking_uri(args.tracking_uri)), ref)
+        hits = searcher.query(searcher.embed_files(args.images), args.k)
+    except index.IndexBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": searcher.name, "version": searcher.version,
+                          "results": [{"query": q, "hits": h} for q, h in zip(args.images, hits)]}))
+        return 0
+    for query, found in zip(args.images, hits):
+        print(f"{query}  ({searcher.name}/{searcher.version})")
+        for rank, hit in enumerate(found, 1):
+            print(f"  {rank:>3}  {hit['score']:.4f}  id {hit['id']:<8} {hit['class'] or '-':<24} {hit['path']}")
+    return 0
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     import shlex
 
@@ -348,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxydml", description="Proxy-based deep metric learning on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_config, _add_train, _add_tune, _add_tune_best, _add_eval, _add_report, _add_data, _add_stack,
-                _add_retrain, _add_models, _add_submit):
+                _add_retrain, _add_models, _add_index, _add_search, _add_submit):
         add(sub)  # one function per command: its arguments and handler
     return parser
 
@@ -515,7 +568,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     sh = mo_sub.add_parser("show", help="one version: tags, run, decision", parents=[mo_opts])
     sh.add_argument("name")
     sh.add_argument("--version", default=None, help="version number (default: the --alias)")
-    sh.add_argument("--alias", default="champion", help="alias to show (default champion)")
+    sh.add_argument("--alias", default=aliases.CHAMPION, help=f"alias to show (default {aliases.CHAMPION})")
     sh.add_argument("--config", action="store_true", help="also print the training config.yaml")
     rb = mo_sub.add_parser("rollback", help="champion := previous-champion (or --to VERSION)", parents=[mo_opts])
     rb.add_argument("name")
@@ -531,6 +584,41 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     pm.add_argument("--candidate", required=True, help="version number in NAME.candidates")
     for p in (ls, sh, rb, pr, pm):
         p.set_defaults(func=_cmd_models)
+
+
+def _add_index(sub: argparse._SubParsersAction) -> None:
+    ix = sub.add_parser("index", help="build a model version's faiss index of a gallery (Ray Data), publish it in MLflow")
+    ix_sub = ix.add_subparsers(dest="index_command", required=True)
+    b = ix_sub.add_parser("build", help="embed a gallery with a model version, index it, publish, tag the version")
+    b.add_argument("--model", required=True, help="NAME (its champion), NAME@ALIAS or NAME/VERSION")
+    b.add_argument("--gallery", required=True,
+                   help="image folder (class = first sub-folder), s3://bucket/prefix (proxydml data push), "
+                        "unseen (the model's own unseen classes) or unseen:RECIPE")
+    b.add_argument("--factory", default=None,
+                   help="faiss index_factory string (default: exact up to a size, then HNSW, then IVF-PQ; docs/guide.md)")
+    b.add_argument("--skip-bad", action="store_true", help="skip (and count) gallery files that cannot be decoded")
+    b.add_argument("--serve", action="store_true",
+                   help="then move the 'serving' alias to this version if its recall reaches --min-recall")
+    b.add_argument("--min-recall", type=float, default=aliases.SERVING_MIN_RECALL,
+                   help=f"ANN recall@10 that 'serving' needs (default {aliases.SERVING_MIN_RECALL})")
+    b.add_argument("--concurrency", type=int, default=None, help="embedding actors (default: one per GPU, else per node)")
+    b.add_argument("--batch-size", type=int, default=None, help="images per forward pass (default data.eval_batch_size)")
+    b.add_argument("--threads", type=int, default=1, help="torch threads (and CPUs) per embedding actor (default 1)")
+    b.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
+    b.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    b.set_defaults(func=_cmd_index_build)
+
+
+def _add_search(sub: argparse._SubParsersAction) -> None:
+    se = sub.add_parser("search", help="nearest gallery images of query images, with a version's model and index")
+    se.add_argument("--model", required=True, help="NAME (with --alias), NAME@ALIAS or NAME/VERSION")
+    se.add_argument("--alias", default=aliases.SERVING, help=f"alias to search with (default {aliases.SERVING})")
+    se.add_argument("--version", default=None, help="a version number instead of the alias")
+    se.add_argument("-k", type=int, default=10, help="neighbours per query (default 10)")
+    se.add_argument("--json", action="store_true", help="print JSON: model, version and every query's hits")
+    se.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
+    se.add_argument("images", nargs="+", metavar="IMAGE", help="query image files")
+    se.set_defaults(func=_cmd_search)
 
 
 def _add_submit(sub: argparse._SubParsersAction) -> None:

@@ -1,9 +1,7 @@
 """MLflow model registry helpers: versions, the ``champion`` alias, rollback, and a lock.
 
-Aliases carry the deployment state of a registered model:
-
-- ``champion``: the version a consumer loads (``models:/NAME@champion``);
-- ``previous-champion``: the champion it replaced, so one command restores it.
+Aliases carry the deployment state of a registered model (``services/aliases.py``): ``champion``,
+``previous-champion`` and ``serving``.
 
 Every change that touches more than one registry object (create a version, then move two
 aliases) undoes what it did when a later step fails, so that a model is never left
@@ -31,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -40,9 +39,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from services import auth, procs  # noqa: E402
+from services.aliases import CHAMPION, PREVIOUS, SERVING  # noqa: E402
 
-CHAMPION = "champion"
-PREVIOUS = "previous-champion"
 CANDIDATES_SUFFIX, candidates_of = auth.CANDIDATES_SUFFIX, auth.candidates_model  # why: see services.auth
 FAILED_TAG = "registration"  # value "failed" on a version whose registration was undone
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -177,6 +175,16 @@ def logged_model_of_run(client: MlflowClient, run_id: str, artifact_name: str = 
         newest = max(found, key=lambda m: m.creation_timestamp or 0)
         return newest.model_uri, newest.model_id
     return f"runs:/{run_id}/{artifact_name}", None
+
+
+def download_checkpoint(client: MlflowClient, run_id: str, folder: Path) -> None:
+    """A training run's model into ``folder``: its ``checkpoint/`` config.yaml and model.pt
+    (not optimizer.pt: it can be large). FileNotFoundError when the run has none."""
+    try:
+        for name in ("config.yaml", "model.pt"):
+            client.download_artifacts(run_id, f"checkpoint/{name}", str(folder))
+    except (MlflowException, OSError) as exc:  # a local store raises OSError for a missing file
+        raise FileNotFoundError(f"run {run_id} has no checkpoint/ artifacts") from exc
 
 
 # ---------------------------------------------------------------- registration ---------------
@@ -369,7 +377,8 @@ def promote_candidate(client: MlflowClient, name: str, candidate: str) -> tuple[
 
 
 def rollback(client: MlflowClient, name: str, to: str | None = None) -> tuple[str | None, str]:
-    """Point ``champion`` back at ``previous-champion`` (or at version ``to``).
+    """Point ``champion`` back at ``previous-champion`` (or at version ``to``), and ``serving``
+    with it when that version has a published index.
 
     The version that was champion becomes ``previous-champion``, so a rollback can itself be
     rolled back. Returns (old champion, new champion). Needs the maintainer permission
@@ -388,12 +397,16 @@ def _rollback(client: MlflowClient, name: str, to: str | None) -> tuple[str | No
     if target is None:
         raise RegistryError(f"model {name!r} has no {PREVIOUS!r} alias to roll back to; give --to VERSION")
     try:
-        client.get_model_version(name, target)
+        target_version = client.get_model_version(name, target)
     except MlflowException as exc:
         raise RegistryError(f"model {name!r} has no version {target}") from exc
     if target == old:
         raise RegistryError(f"version {target} of {name!r} is already the champion")
     wanted: dict[str, str | None] = {CHAMPION: target, PREVIOUS: old}
+    if SERVING in before and (target_version.tags or {}).get("index_uri"):
+        # Serving follows the champion back when the restored version has its published index
+        # (it served before); otherwise serving stays on a version that can answer.
+        wanted[SERVING] = target
     try:
         set_aliases(client, name, wanted)
     except BaseException:

@@ -144,11 +144,12 @@ def load_run_model(client: Any, run_id: str, snapshot: Snapshot,
     with tempfile.TemporaryDirectory(prefix="proxydml-retrain-") as tmp:
         folder = Path(tmp) / "checkpoint"
         folder.mkdir()
+        from services.registry import download_checkpoint
+
         try:
-            for name in ("config.yaml", "model.pt"):  # not optimizer.pt: it can be large
-                client.download_artifacts(run_id, f"checkpoint/{name}", str(folder))
+            download_checkpoint(client, run_id, folder)
             have_checkpoint = True
-        except Exception:
+        except FileNotFoundError:
             have_checkpoint = False
         if have_checkpoint:
             return load_model(folder, overrides)

@@ -33,6 +33,7 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
+from pipelines.gallery import GalleryEmbedder, GalleryItems, decode_batch, image_channels  # noqa: E402
 from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
 from services.auth import use_credentials, worker_credentials  # noqa: E402
 from services.cluster import ClusterError, probe  # noqa: E402
@@ -519,6 +520,54 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             "error": repr(result.error) if result.error else None,
         })
     return trials
+
+
+# -- Ray Data: a gallery's embedding pass ------------------------------------------------------
+class _RayGalleryEmbedder(GalleryEmbedder):
+    """The gallery embedder as a Ray Data actor: the weights come from the object store (one
+    copy per node), and every row it embeds carries this actor's node id."""
+
+    def __init__(self, config: dict[str, Any], state: Any, in_channels: int, threads: int) -> None:
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+        if isinstance(state, ray.ObjectRef):
+            state = ray.get(state)
+        super().__init__(from_dict(config), state, in_channels, threads,
+                         node=ray.get_runtime_context().get_node_id())
+
+
+def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tensor], *, batch_size: int,
+                  concurrency: int | None = None, threads: int = 1) -> Iterator[dict[str, Any]]:
+    """Embed ``items`` on the connected cluster with Ray Data; yields embedded batches in id order.
+
+    Files are read, hashed and decoded in CPU tasks (``pipelines.gallery.decode_batch``), then
+    embedded by a pool of actors holding the model: ``concurrency`` actors (default: one per
+    GPU when the cluster has GPUs, else one per alive node), ``threads`` torch threads each, one
+    GPU each where there are GPUs. Rows keep their order (``preserve_order``) so an exact index
+    built from them breaks ties as the evaluation does.
+    """
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    use_gpu = gpu_available()
+    actors = concurrency or (int(ray.cluster_resources().get("GPU", 0)) if use_gpu else alive_nodes())
+    rows = items.rows()
+    # Decode blocks small enough that every actor gets work, large enough to amortise a task.
+    blocks = max(1, min(len(rows) // max(1, min(batch_size, 64)), 2000))
+    ds = ray.data.from_items(rows, override_num_blocks=blocks)
+    # Half a CPU per decode task: its own resources keep Ray Data from fusing it into the actors,
+    # so files decode in tasks beside the forward passes instead of inside them.
+    ds = ds.map_batches(decode_batch, fn_kwargs={"cfg": cfg}, batch_size=64, batch_format="numpy", num_cpus=0.5)
+    ds = ds.map_batches(
+        _RayGalleryEmbedder,
+        fn_constructor_kwargs={"config": cfg.to_dict(), "state": ray.put(state),
+                               "in_channels": image_channels(items), "threads": threads},
+        batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=max(1, actors)),
+        num_cpus=threads, num_gpus=1 if use_gpu else 0,
+    )
+    yield from ds.iter_batches(batch_size=None, batch_format="numpy")
 
 
 # -- Ray Jobs ----------------------------------------------------------------------------------

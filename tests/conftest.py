@@ -40,6 +40,26 @@ def digits_config():
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny emoji set (64 classes x 5 designs, 32 px) built from the real npm packages,
+    through the CLI as a user builds it, once per session. npm is part of the machines we run
+    on: without it this fails (a skip would hide that the real data path was never exercised)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert shutil.which("npm"), "npm is needed to fetch the emoji packages (apt-get install npm)"
+    out = tmp_path_factory.mktemp("emoji") / "tiny"
+    # A relative --out, as users type it: npm runs in the cache folder, the output must not nest there.
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "data", "build", "emoji", "--tiny",
+                           "--out", "tiny", "--quiet"], cwd=out.parent, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 @pytest.fixture
 def local_mlflow(tmp_path):
     """A fresh embedded sqlite tracking store for one test."""

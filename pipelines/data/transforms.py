@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from PIL import Image
@@ -88,10 +89,12 @@ class ImageListDataset(Dataset):
         return self.transform(load_image(path)), label, index
 
 
-def load_image(path: Path) -> Image.Image:
-    """Decode an image file to RGB; DataError naming the file if it cannot be."""
+def load_image(source: Path | BinaryIO, name: str | None = None) -> Image.Image:
+    """Decode an image file (a path, or its bytes as a file object called ``name``) to RGB;
+    DataError naming the file if it cannot be."""
     try:
-        with Image.open(path) as im:
+        with Image.open(source) as im:
             return im.convert("RGB")  # convert() also forces the full decode inside the try
     except Exception as exc:  # PIL raises several types for a bad file
-        raise DataError(f"cannot decode image {path}: {exc}") from exc
+        detail = str(exc).replace(str(source), "it") if name else exc  # not a BytesIO's repr
+        raise DataError(f"cannot decode image {name or source}: {detail}") from exc

@@ -9,10 +9,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,23 +23,7 @@ from pipelines.data.emoji_build import build_emoji
 from pipelines.evaluate import embed, retrieval_metrics
 from pipelines.tracking import LocalReporter
 
-# npm is part of the machines we run on: without it this test fails (a skip would hide that
-# the real data path was never exercised).
-pytestmark = [pytest.mark.emoji]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    assert shutil.which("npm"), "npm is needed to fetch the emoji packages (apt-get install npm)"
-    out = tmp_path_factory.mktemp("emoji") / "tiny"
-    # Through the CLI, as a user would build it: a relative --out (npm runs in the cache folder,
-    # so a relative path used to nest and make `npm pack` fail).
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "data", "build", "emoji", "--tiny",
-                           "--out", "tiny", "--quiet"], cwd=out.parent, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr
-    return out
+pytestmark = [pytest.mark.emoji]  # the `tiny` set is built once per session (tests/conftest.py)
 
 
 def test_tiny_build_is_complete_counted_and_idempotent(tiny):

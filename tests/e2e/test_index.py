@@ -1,0 +1,176 @@
+"""A searchable champion: `proxydml index build` on Ray Data + faiss, published in MLflow, and
+`proxydml search`, on the tiny emoji set with the demo recipe's model.
+
+The model is trained once for the module (the demo recipe, one short epoch at 32 px, in this
+process) and registered as the champion of a local MLflow store; every command runs through
+the CLI's entry point in this process, on the session's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines.config import load_config
+from pipelines.tracking import LocalReporter
+from services import aliases, registry
+from services.cli import main
+from services.index import BuildRequest, IndexBuildError, build
+from services.mlflow_tracking import ensure_experiment, local_store
+from services.snapshots import sha256_file
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.emoji]
+MODEL = "emoji-demo"
+
+
+@pytest.fixture(scope="module")
+def champion(tiny, tmp_path_factory):
+    """(tracking uri, checkpoint folder): the demo recipe trained briefly on the tiny set,
+    logged as a run's checkpoint and registered as version 1, the champion."""
+    from pipelines.train import run
+
+    tmp = tmp_path_factory.mktemp("index")
+    uri, _ = local_store(tmp / "mlruns")
+    cfg = load_config("emoji_proxy_nca_pp_demo", [
+        f"data.root={tiny}", "data.image_size=32", "data.eval_resize=32", "data.batch_size=40",
+        "data.samples_per_class=5", "data.loader_workers=0", "train.epochs=1", "train.max_steps_per_epoch=3",
+        "train.recall_ks=[1]", "scaling.num_workers=1",
+    ])
+    run(cfg, LocalReporter(tmp / "run"))
+    ckpt = sorted((tmp / "run").glob("checkpoint_*"))[-1]
+    client = MlflowClient(uri)
+    exp = ensure_experiment(client, "emoji-index", uri)
+    run_id = client.create_run(exp, run_name="emoji-demo-train").info.run_id
+    client.log_artifacts(run_id, str(ckpt), "checkpoint")
+    client.set_terminated(run_id)
+    registry.register_version(client, MODEL, run_id=run_id, tags={}, description="test", promote_it=True)
+    return uri, ckpt
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_exact_index_of_the_unseen_half_searches_as_the_evaluation_scores(champion, ray_cluster, capsys):
+    uri, ckpt = champion
+    code, out, err = _cli(capsys, "index", "build", "--model", f"{MODEL}@champion", "--gallery", "unseen",
+                          "--serve", "--tracking-uri", uri)
+    assert code == 0, err
+    client = MlflowClient(uri)
+    version = client.get_model_version(MODEL, "1")
+    tags = version.tags
+    # 32 unseen classes x 5 designs, exact (Flat) below the ANN threshold: recall 1 by construction.
+    assert tags["index_factory"] == "Flat" and tags["gallery_images"] == "160"
+    assert float(tags["ann_recall_at_10"]) == 1.0
+    assert tags["index_uri"] == f"runs:/{tags['index_run_id']}/index"
+    assert registry.aliases_of(client, MODEL)[aliases.SERVING] == "1"
+    index_run = client.get_run(tags["index_run_id"])
+    assert index_run.info.status == "FINISHED" and index_run.data.tags["kind"] == "index"
+    # The published files are the ones the manifest lists, byte for byte.
+    local = Path(client.download_artifacts(index_run.info.run_id, "index", str(ckpt.parent / "published")))
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert manifest["files"]["index.faiss"] == tags["index_sha256"] == sha256_file(local / "index.faiss")
+    for rel, sha in manifest["files"].items():
+        assert sha256_file(local / rel) == sha, rel
+    assert manifest["images"] == 160 and manifest["skipped"] == 0 and sum(manifest["nodes"].values()) == 160
+
+    # Every gallery image searched, itself left out: the same R@1 as `proxydml eval`.
+    from pipelines.data import build_datasets
+
+    cfg = load_config(str(ckpt / "config.yaml"))
+    test = build_datasets(cfg.data).test
+    paths = [str(p) for p, _ in test.samples]
+    code, out, err = _cli(capsys, "search", "--model", MODEL, "-k", "5", "--json", "--tracking-uri", uri, *paths)
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["version"] == "1"
+    hits = 0
+    for query, result in zip(paths, answer["results"]):
+        assert result["query"] == query
+        others = [h for h in result["hits"] if h["path"] != query]
+        own = [h for h in result["hits"] if h["path"] == query]
+        assert own and own[0]["score"] == pytest.approx(1.0, abs=1e-5), (query, result["hits"])  # the query finds itself
+        hits += others[0]["class"] == test.names[test.samples[paths.index(query)][1]]
+    code, out, err = _cli(capsys, "eval", "--checkpoint", str(ckpt), "--json", "train.recall_ks=[1]")
+    assert code == 0, err
+    assert hits / len(paths) == json.loads(out)["recall_at_1"]
+
+
+def test_bad_galleries_and_factories_fail_in_one_line_and_publish_nothing(champion, ray_cluster, tiny, tmp_path,
+                                                                          capsys):
+    uri, _ = champion
+    client = MlflowClient(uri)
+    before = client.get_model_version(MODEL, "1").tags
+    runs_before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+    folder = tmp_path / "gallery"
+    good = sorted(p for p in tiny.rglob("*.png") if ".cache" not in p.parts)[:12]
+    for i, p in enumerate(good):
+        dest = folder / f"class{i % 3}" / p.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest)
+    broken = folder / "class0" / "broken.png"
+    broken.write_bytes(b"not a png")
+
+    code, _, err = _cli(capsys, "index", "build", "--model", MODEL, "--gallery", str(folder), "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and str(broken) in err and "--skip-bad" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = _cli(capsys, "index", "build", "--model", MODEL, "--gallery", str(tmp_path / "empty"),
+                        "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and "no images" in err
+    code, _, err = _cli(capsys, "index", "build", "--model", MODEL, "--gallery", str(folder), "--factory", "HNSW-bad",
+                        "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and "'HNSW-bad': faiss rejects it" in err
+    # Nothing published: no index run, the version's tags as they were.
+    assert client.get_model_version(MODEL, "1").tags == before
+    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == runs_before
+
+    # --skip-bad: the broken file is counted, the rest indexed (an explicit factory).
+    result = build(BuildRequest(model=f"{MODEL}/1", gallery=str(folder), tracking_uri=uri, skip_bad=True,
+                                factory="IDMap,Flat"), log=lambda _: None)
+    assert (result.images, result.skipped, result.factory) == (12, 1, "IDMap,Flat")
+
+
+def test_search_without_an_index_and_unknown_models_say_what_to_do(champion, capsys, tiny):
+    uri, ckpt = champion
+    client = MlflowClient(uri)
+    run_id = client.get_model_version(MODEL, "1").run_id
+    client.create_model_version(MODEL, source=f"runs:/{run_id}/model", run_id=run_id)  # version 2, no index
+    image = str(next(p for p in tiny.rglob("*.png") if ".cache" not in p.parts))
+    code, _, err = _cli(capsys, "search", "--model", f"{MODEL}/2", image, "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and f"proxydml index build --model {MODEL}/2" in err
+    code, _, err = _cli(capsys, "search", "--model", "no-such-model", image, "--tracking-uri", uri)
+    assert code == 2 and "no registered model 'no-such-model'" in err
+    code, _, err = _cli(capsys, "search", "--model", MODEL, "--alias", "nightly", image, "--tracking-uri", uri)
+    assert code == 2 and "has no alias 'nightly'" in err
+
+
+def test_a_build_that_fails_midway_leaves_serving_and_tags_alone(champion, ray_cluster, tiny, tmp_path):
+    uri, _ = champion
+    client = MlflowClient(uri)
+    before = client.get_model_version(MODEL, "1").tags
+    aliases_before = registry.aliases_of(client, MODEL)
+
+    def unreadable(step: str) -> None:
+        if step == "uploaded":
+            raise OSError("the artifact store went away")
+
+    with pytest.raises(OSError):
+        build(BuildRequest(model=f"{MODEL}/1", gallery="unseen", tracking_uri=uri, serve=True),
+              log=lambda _: None, hook=unreadable)
+    assert client.get_model_version(MODEL, "1").tags == before
+    assert registry.aliases_of(client, MODEL) == aliases_before
+    failed = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string="tags.kind = 'index' and attributes.status = 'FAILED'")
+    assert len(failed) == 1
+
+
+def test_model_reference_errors(champion):
+    uri, _ = champion
+    with pytest.raises(IndexBuildError, match="give NAME, NAME@ALIAS or NAME/VERSION"):
+        build(BuildRequest(model="a@b/3", gallery="unseen", tracking_uri=uri))
