@@ -27,7 +27,7 @@ import numpy as np
 from pipelines.evaluate import faiss_gpus, l2_normalise
 
 __all__ = ["EXACT_MAX", "HNSW_MAX", "IndexSpecError", "Tuned", "add_shard", "check_factory",
-           "default_factory", "exact_top_k", "new_index", "read_index", "recall_at_k", "search", "train_sample_size",
+           "default_factory", "drop_self", "exact_top_k", "new_index", "read_index", "recall_at_k", "search", "train_sample_size",
            "tune_search", "write_index"]
 
 # Exact search up to here: 20k x 512-d is 40 MB and a query scans it in about a millisecond.
@@ -110,9 +110,13 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     return scores, ids
 
 
-def exact_top_k(queries: np.ndarray, shards: Iterable[tuple[np.ndarray, np.ndarray]], k: int) -> np.ndarray:
+def exact_top_k(queries: np.ndarray, shards: Iterable[tuple[np.ndarray, np.ndarray]], k: int,
+                self_ids: np.ndarray | None = None) -> np.ndarray:
     """Exact top-``k`` gallery ids (m, k) of ``queries`` (m, d), streaming ``(ids, vectors)``
-    shards: one shard in memory at a time, the running top-k merged after each."""
+    shards: one shard in memory at a time, the running top-k merged after each. ``self_ids``
+    (m,): each query is that gallery item, left out of its own neighbours."""
+    if self_ids is not None:
+        return drop_self(exact_top_k(queries, shards, k + 1), self_ids, k)
     q = l2_normalise(queries)
     best_s = np.full((len(q), 0), -np.inf, dtype=np.float32)
     best_i = np.zeros((len(q), 0), dtype=np.int64)
@@ -156,14 +160,24 @@ def _depths(index: faiss.Index) -> Iterator[str]:
         yield ""
 
 
-def tune_search(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target: float) -> Tuned:
+def drop_self(ids: np.ndarray, self_ids: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` ids (m, k) of each row of ``ids`` (m, >= k + 1) that are not its query's own."""
+    return np.stack([row[row != own][:k] for row, own in zip(ids, self_ids)])
+
+
+def tune_search(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target: float,
+                self_ids: np.ndarray | None = None) -> Tuned:
     """Set the smallest search depth (HNSW efSearch, IVF nprobe) whose recall@k of ``queries``
     against their ``exact`` top-k (m, k) reaches ``target``; else the deepest tried. The depth
-    is stored in the index itself (``write_index`` keeps it)."""
+    is stored in the index itself (``write_index`` keeps it). ``self_ids``: the queries are these
+    gallery items, left out of their own neighbours (as ``exact`` was built): a query then has
+    no exact copy of itself to find, as a new image would not."""
     k = exact.shape[1]
     tuned = Tuned(0.0, "")
     for parameter in _depths(index):
-        _, found = index.search(l2_normalise(queries), k)
+        _, found = index.search(l2_normalise(queries), k + (self_ids is not None))
+        if self_ids is not None:
+            found = drop_self(found, self_ids, k)
         tuned = Tuned(recall_at_k(found, exact), parameter)
         if tuned.recall >= target:
             break

@@ -190,6 +190,7 @@ def _cmd_retrain(args: argparse.Namespace) -> int:
         from_sweep=args.from_sweep, overrides=args.overrides, margin=args.margin, metric=args.metric,
         tracking_uri=args.tracking_uri, address=args.address,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None, lock_ttl_s=args.lock_ttl,
+        gallery=args.gallery, min_recall=args.min_recall,
     )
     try:
         result = retrain.retrain(req, log=lambda msg: print(msg, flush=True))
@@ -554,6 +555,12 @@ def _add_retrain(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--lock-ttl", type=float, default=retrain.DEFAULT_LOCK_TTL_S,
                     help="seconds a crashed retrain keeps the model locked (renewed while alive; "
                          f"default {retrain.DEFAULT_LOCK_TTL_S:g})")
+    rt.add_argument("--gallery", default=retrain.DEFAULT_GALLERY,
+                    help="after a promotion, index this gallery with the new champion and move 'serving' to it "
+                         f"(as index build --gallery; default {retrain.DEFAULT_GALLERY}: the snapshot's evaluation classes; "
+                         "none: skip)")
+    rt.add_argument("--min-recall", type=float, default=aliases.SERVING_MIN_RECALL,
+                    help=f"ANN recall@10 that 'serving' needs (default {aliases.SERVING_MIN_RECALL})")
     rt.add_argument("overrides", nargs="*", help="dotted key=value overrides of the source config")
     rt.set_defaults(func=_cmd_retrain)
 

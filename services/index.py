@@ -49,6 +49,7 @@ from pipelines.gallery import (
     write_embeddings,
 )
 from pipelines.index import (
+    Tuned,
     add_shard,
     check_factory,
     default_factory,
@@ -313,8 +314,11 @@ def _index_from_shards(folder: Path, factory: str, dim: int, seed: int) -> Any:
 
 
 def _tune(index: Any, folder: Path, seed: int, target: float) -> Any:
-    """ANN recall@10 of held-out gallery queries against exact search (the depth tuned to ``target``)."""
+    """ANN recall@10 of held-out gallery queries (each left out of its own neighbours) against exact
+    search, the search depth tuned to ``target``."""
     total = int(index.ntotal)
+    if total < 2:
+        return Tuned(1.0, "")  # one image: nothing else to find
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(RECALL_QUERIES, total), replace=False))
     queries, start = [], 0
     for ids, vectors, _ in read_embeddings(folder):
@@ -322,8 +326,19 @@ def _tune(index: Any, folder: Path, seed: int, target: float) -> Any:
         queries.append(vectors[pos])
         start += len(ids)
     q = np.concatenate(queries)
-    exact = exact_top_k(q, ((ids, v) for ids, v, _ in read_embeddings(folder)), min(RECALL_K, total))
-    return tune_search(index, q, exact, target)
+    own = _ids_at(folder, chosen)
+    k = min(RECALL_K, total - 1)
+    exact = exact_top_k(q, ((ids, v) for ids, v, _ in read_embeddings(folder)), k, self_ids=own)
+    return tune_search(index, q, exact, target, self_ids=own)
+
+
+def _ids_at(folder: Path, positions: np.ndarray) -> np.ndarray:
+    """Gallery ids at sorted row ``positions`` of the embeddings files."""
+    out, start = [], 0
+    for ids, _, _ in read_embeddings(folder, vectors=False):
+        out.append(ids[positions[(positions >= start) & (positions < start + len(ids))] - start])
+        start += len(ids)
+    return np.concatenate(out)
 
 
 def _publish(client: Any, version: Any, folder: Path, result: IndexResult, step: Callable[[str], None]) -> str:

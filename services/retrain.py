@@ -42,6 +42,7 @@ import yaml
 from pipelines.config import Config, from_dict, load_recipe, load_yaml, merge, parse_overrides
 from pipelines.evaluate import RANK_METRICS, is_retrieval_metric
 from services import auth, snapshots
+from services.aliases import SERVING_MIN_RECALL
 from services.snapshots import Snapshot, SnapshotError, safe_name
 
 # MLflow (services.registry, services.mlflow_tracking, services.sweep) and Ray
@@ -51,6 +52,7 @@ from services.snapshots import Snapshot, SnapshotError, safe_name
 DEFAULT_MARGIN = 0.005
 DEFAULT_METRIC = "map_at_r"
 DEFAULT_LOCK_TTL_S = 900.0  # seconds a crashed retrain keeps the model locked (renewed while alive)
+DEFAULT_GALLERY = "unseen"  # the snapshot's evaluation classes, indexed after a promotion
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: "try again later" -- what a cron wrapper should see
 
 
@@ -183,6 +185,11 @@ class RetrainRequest:
     address: str | None = None
     cache_dir: Path | None = None
     lock_ttl_s: float = DEFAULT_LOCK_TTL_S
+    # After a promotion: the new champion's index of this gallery (``index build --gallery``;
+    # default the snapshot's unseen classes, "none": no index), and `serving` moves to it when
+    # its ANN recall@10 reaches ``min_recall``.
+    gallery: str = DEFAULT_GALLERY
+    min_recall: float = SERVING_MIN_RECALL
 
 
 @dataclass
@@ -203,6 +210,8 @@ class RetrainResult:
     run_id: str
     reused: bool = False
     seconds: float = 0.0
+    serving: str | None = None  # the version `serving` points at after this retrain
+    index_note: str = ""  # what happened to the index and `serving`, one line
 
     def lines(self) -> list[str]:
         head = "already done: " if self.reused else ""
@@ -214,6 +223,8 @@ class RetrainResult:
                    + (f"; champion v{self.champion_version} {self.metric} = {_fmt(champ)}" if self.champion_version else ""))
         verb = "PROMOTED to champion" if self.decision == "promoted" else "NOT promoted: champion kept"
         out.append(f"decision: {verb} -- {self.reason}")
+        if self.index_note:
+            out.append(f"index: {self.index_note}")
         if self.reused:
             out.append("  nothing retrained: a version for this (model, snapshot, config) exists")
         return out
@@ -318,7 +329,8 @@ def _code_version() -> str:
 
 
 def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
-            register_hook: Callable[[str], None] | None = None) -> RetrainResult:
+            register_hook: Callable[[str], None] | None = None,
+            index_hook: Callable[[str], None] | None = None) -> RetrainResult:
     """Run one retrain (see the module docstring). Raises RetrainError/ConfigError/DataError on
     bad input before anything is trained or registered, and registry.LockHeld when another
     retrain of the same model is running."""
@@ -395,14 +407,40 @@ def retrain(req: RetrainRequest, *, log: Callable[[str], None] = print,
             model_tags={"framework": "proxydml", "task": "image-embedding"}, hook=register_hook,
         )
         _tag_run(client, outcome.mlflow_run_id, req.model, reg.version.version, decision, reason)
+        serving, index_note = _index_champion(req, uri, client, str(reg.version.version), promote, log, index_hook)
     finally:
         lock.release()
     return RetrainResult(
         model=req.model, version=str(reg.version.version), decision=decision, reason=reason, metric=req.metric,
         candidate=candidate, champion=champion_metrics, champion_version=champ_version,
         snapshot_id=snapshot.snapshot_id, config_hash=cfg_hash, run_name=key, run_id=outcome.mlflow_run_id,
-        seconds=time.monotonic() - started,
+        seconds=time.monotonic() - started, serving=serving, index_note=index_note,
     )
+
+
+def _index_champion(req: RetrainRequest, uri: str, client: Any, version: str, promoted: bool,
+                    log: Callable[[str], None], hook: Callable[[str], None] | None) -> tuple[str | None, str]:
+    """After a promotion, build the new champion's index and move `serving` to it (the bar:
+    ``req.min_recall``). A failed build leaves `serving` where it was and says so in one line;
+    it does not undo the promotion (the champion is the better model either way).
+    Returns (serving version, note)."""
+    from services import index, registry
+
+    serving = registry.aliases_of(client, req.model).get(index.SERVING)
+    if not promoted or req.gallery == "none":
+        return serving, ""
+    log(f"index: building version {version}'s index of gallery {req.gallery}")
+    try:
+        built = index.build(index.BuildRequest(model=f"{req.model}/{version}", gallery=req.gallery, tracking_uri=uri,
+                                               serve=True, min_recall=req.min_recall, address=req.address),
+                            log=log, hook=hook)
+    except Exception as exc:  # any failure: serving stays, the reason in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return serving, f"build failed, serving stays on {f'v{serving}' if serving else 'no version'}: {first}"
+    if built.serving_moved:
+        return version, f"v{version} {built.factory}, ANN recall@10 {built.recall:.4f}; serving -> v{version}"
+    return serving, (f"v{version} {built.factory}, ANN recall@10 {built.recall:.4f} < {req.min_recall}; "
+                     f"serving stays on {f'v{serving}' if serving else 'no version'}")
 
 
 def _git_sha() -> str:

@@ -4,14 +4,16 @@ S3-compatible server) and the shared Ray cluster.
 One scenario, in order (each step's wall time is printed with ``-s``):
 
 1. retrain on snapshot A (digits 0-4 for training, a fixed 5-9 evaluation split) -> version 1,
-   champion (there was none);
+   champion (there was none), its exact index of the evaluation images built and ``serving``;
 2. retrain on snapshot B (more training data) with a deliberately bad config (tiny lr, one
    step) -> version 2 registered, version 1 stays champion. Meanwhile a second
    ``proxydml retrain`` of the same model (a subprocess) finds the lock and exits 75;
 3. retrain on B with a good config; the first call crashes after training (nothing is
    registered), the second resumes the same run -> version 3 takes over,
-   ``previous-champion`` = 1;
-4. ``proxydml models rollback`` -> champion 1 again;
+   ``previous-champion`` = 1, but its index build fails midway: ``serving`` stays on 1 and
+   nothing of the index is published; ``index build --serve`` then moves ``serving`` to 3 and
+   ``proxydml search`` answers from version 3;
+4. ``proxydml models rollback`` -> champion 1 again, and ``serving`` with it;
 5. the same call as 3, and the same snapshot read from S3 -> nothing retrained, fast;
 6. ``models:/NAME@champion`` loads with mlflow and embeds the evaluation images.
 
@@ -21,6 +23,7 @@ mirrored), and bad input against the server registers nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +36,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from services import index as index_mod
 from services import registry, retrain
 from services.cli import main as cli_main
 from services.s3 import Credentials, s3_client
@@ -128,9 +132,11 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     code, out, err, timings["A first"] = _cli(capsys, _args(stack, snapshots["A"], storage, *FIRST))
     assert code == 0, err
     assert "decision: PROMOTED to champion -- no champion yet" in out
+    assert "index: v1 Flat, ANN recall@10 1.0000; serving -> v1" in out, out
     decisions.append(out)
-    assert _aliases(client) == {"champion": "1"}
+    assert _aliases(client) == {"champion": "1", "serving": "1"}
     v1 = client.get_model_version(MODEL, "1")
+    assert v1.tags["gallery_images"] == "400" and v1.tags["index_uri"] == f"runs:/{v1.tags['index_run_id']}/index"
     assert v1.tags["snapshot_id"] == "digits-2024-01-A" and v1.tags["decision"] == "promoted"
     for key in ("config_hash", "git_sha", "code_version", "snapshot_checksum", "candidate.map_at_r", "retrain_key"):
         assert v1.tags.get(key), key
@@ -149,7 +155,7 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     assert code == 0, err
     assert "decision: NOT promoted: champion kept" in out, out
     decisions.append(out)
-    assert _aliases(client) == {"champion": "1"}
+    assert _aliases(client) == {"champion": "1", "serving": "1"}
     v2 = client.get_model_version(MODEL, "2")
     assert v2.tags["decision"] == "kept-champion" and v2.tags["champion_version"] == "1"
     assert float(v2.tags["candidate.map_at_r"]) < float(v2.tags["champion.map_at_r"]) + 0.005
@@ -179,24 +185,52 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     assert registry.current_lock(client, MODEL) is None
     crashed = capsys.readouterr().out
     crashed_run = crashed.split("trained: run ")[1].split()[0]
-    code, out, err, timings["B better (resumed)"] = _cli(capsys, better_args)
+    # ...and the new champion's index build fails midway (the gallery became unreadable).
+    real_build = index_mod.build
+    unreadable = snapshots["B"] / "test" / "5" / "0003.png"
+
+    def failing_build(req, *, log=print, hook=None):
+        def midway(step: str) -> None:
+            if step == "embedded-batch":
+                raise OSError(f"cannot read image {unreadable}: Permission denied")
+        return real_build(req, log=log, hook=midway)
+
+    monkeypatch.setattr(index_mod, "build", failing_build)
+    code, out, err, timings["B better (resumed, index fails)"] = _cli(capsys, better_args)
+    monkeypatch.setattr(index_mod, "build", real_build)
     assert code == 0, err
     assert f"trained: run {crashed_run} (resumed)" in out, out
     assert "decision: PROMOTED to champion" in out, out
+    assert f"index: build failed, serving stays on v1: cannot read image {unreadable}" in out, out
     decisions.append(out)
-    assert _aliases(client) == {"champion": "3", "previous-champion": "1"}
+    assert _aliases(client) == {"champion": "3", "previous-champion": "1", "serving": "1"}
     v3 = client.get_model_version(MODEL, "3")
     assert float(v3.tags["candidate.map_at_r"]) >= float(v3.tags["champion.map_at_r"]) + 0.005
+    assert not set(index_mod.INDEX_TAGS) & set(v3.tags)  # nothing half-published
+    index_runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                    filter_string=f"tags.registered_model = '{MODEL}/3' and tags.kind = 'index'")
+    assert [r.info.status for r in index_runs] in ([], ["FAILED"])
+    # The index built by hand: serving moves to the champion, and search answers from it.
+    code, out, err, timings["index build v3"] = _cli(capsys, ["index", "build", "--model", MODEL, "--gallery",
+                                                              "unseen", "--serve", "--tracking-uri", stack.tracking_uri])
+    assert code == 0, err
+    assert _aliases(client)["serving"] == "3"
+    query = sorted((snapshots["B"] / "test" / "7").glob("*.png"))[0]
+    code, out, err, _ = _cli(capsys, ["search", "--model", MODEL, "--json", "-k", "3", str(query),
+                                      "--tracking-uri", stack.tracking_uri])
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["version"] == "3" and answer["results"][0]["hits"][0]["path"] == str(query)
 
     # 4. Rollback restores version 1 (and keeps 3 as the way back).
     code, out, err, _ = _cli(capsys, ["models", "rollback", MODEL, "--tracking-uri", stack.tracking_uri])
     assert code == 0, err
-    assert "champion v3 -> v1" in out
-    assert _aliases(client) == {"champion": "1", "previous-champion": "3"}
+    assert "champion v3 -> v1" in out and "serving = v1" in out
+    assert _aliases(client) == {"champion": "1", "previous-champion": "3", "serving": "1"}
     code, out, err, _ = _cli(capsys, ["models", "list", MODEL, "--tracking-uri", stack.tracking_uri])
     assert code == 0 and "kept-champion" in out and "digits-2024-02-B" in out
     code, out, err, _ = _cli(capsys, ["models", "show", MODEL, "--config", "--tracking-uri", stack.tracking_uri])
-    assert code == 0 and "version 1 (champion)" in out and "snapshot_id" in out and "loss:" in out
+    assert code == 0 and "version 1 (champion, serving)" in out and "snapshot_id" in out and "loss:" in out
 
     # 5. The same call again does not retrain: same run name -> the registered result.
     exp_id = client.get_experiment_by_name(f"proxydml-retrain-{MODEL}").experiment_id
