@@ -32,8 +32,8 @@ from pipelines.data.types import DataError, class_names, dataset_labels
 from pipelines.evaluate import eval_autocast
 from pipelines.models import EmbeddingModel
 
-__all__ = ["IMAGE_SUFFIXES", "GalleryEmbedder", "GalleryItems", "decode_batch", "folder_items", "dataset_items",
-           "image_channels", "read_embeddings", "write_embeddings"]
+__all__ = ["IMAGE_SUFFIXES", "GalleryEmbedder", "GalleryItems", "decode_batch", "decode_image", "folder_items",
+           "dataset_items", "image_channels", "query_transform", "read_embeddings", "write_embeddings"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Rows per Parquet file of the embeddings: a shard the index build holds in memory at a time
@@ -85,6 +85,16 @@ def dataset_items(dataset: Any) -> GalleryItems:
     return GalleryItems(["" for _ in labels], classes, images)
 
 
+def query_transform(cfg: Config) -> Any:
+    """The evaluation transform of ``cfg``: what every gallery and query image goes through."""
+    return eval_transform(cfg.data, cfg.data.image_size)
+
+
+def decode_image(raw: bytes, name: str, transform: Any) -> np.ndarray:
+    """An image file's bytes -> (C, H, W) float32 through ``transform``; DataError naming ``name``."""
+    return transform(load_image(io.BytesIO(raw), name=name)).numpy()
+
+
 def decode_batch(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """Read, hash and decode a batch of files with ``cfg``'s evaluation transform."""
     n = len(batch["id"])
@@ -92,13 +102,13 @@ def decode_batch(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndar
         return {**batch, "image": np.asarray(batch["image"], dtype=np.float32), "ok": np.ones(n, dtype=bool),
                 "sha256": np.array([hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
                                     for x in batch["image"]]), "error": np.array([""] * n)}
-    transform = eval_transform(cfg.data, cfg.data.image_size)
+    transform = query_transform(cfg)
     images: list[np.ndarray | None] = []
     ok, sha, error = np.ones(n, dtype=bool), [], []
     for i, path in enumerate(batch["path"]):
         try:
             raw = Path(path).read_bytes()
-            images.append(transform(load_image(io.BytesIO(raw), name=str(path))).numpy())
+            images.append(decode_image(raw, str(path), transform))
             sha.append(hashlib.sha256(raw).hexdigest())
             error.append("")
         except (OSError, DataError) as exc:

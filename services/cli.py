@@ -1,5 +1,5 @@
 """``proxydml`` command line: config, train, eval, tune, report, data, stack, retrain, models, index,
-search, submit.
+search, serve, submit.
 
 Every user error (bad config key or value, missing file, unusable data) ends with one line
 ``error: ...`` on stderr and exit code 2, before anything is started or written.
@@ -363,6 +363,44 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import functools
+    import signal
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from services import index, runtime, serve
+    from services.mlflow_tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    try:  # checked here, in one line, before any replica starts
+        version = index.resolve_version(MlflowClient(uri), index.ModelRef(args.model, args.alias, None))
+    except index.IndexBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not index.has_index(version):
+        print(f"error: model {args.model!r} version {version.version} ({args.alias}) has no index: build one with "
+              f"`proxydml index build --model {args.model}/{version.version} --gallery SOURCE --serve`",
+              file=sys.stderr)
+        return 2
+    runtime.ensure_ray(args.address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        make = functools.partial(serve.open_service, uri, args.model, alias=args.alias, challenger=args.challenger,
+                                 poll_s=args.poll_s)
+        url = runtime.serve_http(make, tracking_uri=uri, port=args.port, replicas=args.replicas, threads=args.threads)
+        print(f"serving {args.model} ({args.alias} = version {version.version}; page compares {args.challenger}) "
+              f"at {url}  POST {url}search", flush=True)
+        stop.wait()
+    finally:
+        runtime.stop_serving()
+    print("stopped", flush=True)
+    return 0
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     import shlex
 
@@ -402,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxydml", description="Proxy-based deep metric learning on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_config, _add_train, _add_tune, _add_tune_best, _add_eval, _add_report, _add_data, _add_stack,
-                _add_retrain, _add_models, _add_index, _add_search, _add_submit):
+                _add_retrain, _add_models, _add_index, _add_search, _add_serve, _add_submit):
         add(sub)  # one function per command: its arguments and handler
     return parser
 
@@ -626,6 +664,22 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     se.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
     se.add_argument("images", nargs="+", metavar="IMAGE", help="query image files")
     se.set_defaults(func=_cmd_search)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    sv = sub.add_parser("serve", help="search over HTTP on 127.0.0.1 (Ray Serve): POST /search, and a page at /")
+    sv.add_argument("--model", required=True, help="registered model name")
+    sv.add_argument("--alias", default=aliases.SERVING,
+                    help=f"alias that answers; replicas follow it when it moves (default {aliases.SERVING})")
+    sv.add_argument("--challenger", default=aliases.PREVIOUS,
+                    help=f"alias or version the page shows beside it (default {aliases.PREVIOUS})")
+    sv.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
+    sv.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (default 1)")
+    sv.add_argument("--threads", type=int, default=1, help="torch threads (and CPUs) per replica (default 1)")
+    sv.add_argument("--poll-s", type=float, default=1.0, help="seconds between reads of the alias (default 1)")
+    sv.add_argument("--tracking-uri", default=None, help="MLflow URI (default $MLFLOW_TRACKING_URI, else ./mlruns)")
+    sv.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    sv.set_defaults(func=_cmd_serve)
 
 
 def _add_submit(sub: argparse._SubParsersAction) -> None:

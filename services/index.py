@@ -40,11 +40,13 @@ from pipelines.config import Config, from_dict, load_config, load_yaml
 from pipelines.data import build_datasets
 from pipelines.data.types import DataError
 from pipelines.gallery import (
+    IMAGE_SUFFIXES,
     GalleryEmbedder,
     GalleryItems,
     dataset_items,
-    decode_batch,
+    decode_image,
     folder_items,
+    query_transform,
     read_embeddings,
     write_embeddings,
 )
@@ -222,7 +224,7 @@ def build(req: BuildRequest, *, log: Callable[[str], None] = print,
         check_factory(req.factory, dim)
     items, gallery = resolve_gallery(req.gallery, cfg)
     if len(items) == 0:
-        raise IndexBuildError(f"--gallery {req.gallery}: no images (looked for {', '.join(_suffixes())})")
+        raise IndexBuildError(f"--gallery {req.gallery}: no images (looked for {', '.join(IMAGE_SUFFIXES)})")
     timings: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="proxydml-index-") as tmp:
         out = Path(tmp) / "index"
@@ -402,12 +404,6 @@ def move_serving(client: Any, name: str, version: str, *, min_recall: float = MI
     return True
 
 
-def _suffixes() -> Sequence[str]:
-    from pipelines.gallery import IMAGE_SUFFIXES
-
-    return IMAGE_SUFFIXES
-
-
 # ---------------------------------------------------------------- search ----------------------
 @dataclass
 class Searcher:
@@ -420,13 +416,24 @@ class Searcher:
     index: Any
     meta: dict[int, tuple[str, str]]  # gallery id -> (path, class)
 
+    def embed_images(self, images: Sequence[tuple[str, bytes]]) -> np.ndarray:
+        """(name, file bytes) of each query image -> (n, d) embeddings; IndexBuildError naming
+        the first image that does not decode."""
+        transform = query_transform(self.cfg)
+        try:
+            decoded = [decode_image(raw, name, transform) for name, raw in images]
+        except DataError as exc:
+            raise IndexBuildError(str(exc)) from exc
+        return self.embedder.embed(np.stack(decoded))
+
     def embed_files(self, paths: Sequence[str]) -> np.ndarray:
-        batch = decode_batch({"id": np.arange(len(paths)), "path": np.array(paths, dtype=object),
-                              "class": np.array([""] * len(paths), dtype=object)}, self.cfg)
-        bad = ~np.asarray(batch["ok"], dtype=bool)
-        if bad.any():
-            raise IndexBuildError(str(np.asarray(batch["error"])[bad][0]))
-        return self.embedder.embed(batch["image"])
+        images = []
+        for path in paths:
+            try:
+                images.append((path, Path(path).read_bytes()))
+            except OSError as exc:
+                raise IndexBuildError(f"cannot read image {path}: {exc}") from exc
+        return self.embed_images(images)
 
     def query(self, vectors: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
         scores, ids = search(self.index, vectors, k)

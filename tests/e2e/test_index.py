@@ -174,3 +174,138 @@ def test_model_reference_errors(champion):
     uri, _ = champion
     with pytest.raises(IndexBuildError, match="give NAME, NAME@ALIAS or NAME/VERSION"):
         build(BuildRequest(model="a@b/3", gallery="unseen", tracking_uri=uri))
+
+
+def _http(url: str, body: bytes | None = None) -> tuple[int, dict | bytes]:
+    """(status, JSON or raw bytes) of a GET, or of a POST when ``body`` is given."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            status, ctype, data = reply.status, reply.headers.get("content-type", ""), reply.read()
+    except urllib.error.HTTPError as exc:
+        status, ctype, data = exc.code, exc.headers.get("content-type", ""), exc.read()
+    return status, json.loads(data) if ctype.startswith("application/json") else data
+
+
+def test_serve_answers_follows_serving_and_refuses_bad_requests(champion, ray_cluster, tiny, tmp_path, browser):
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import ray
+
+    from services.net import free_port
+
+    uri, ckpt = champion
+    client = MlflowClient(uri)
+    if not client.get_model_version(MODEL, "1").tags.get("gallery", "").startswith("unseen"):
+        # Run alone, or after another test indexed a folder with version 1: the unseen half again.
+        build(BuildRequest(model=f"{MODEL}/1", gallery="unseen", tracking_uri=uri, serve=True), log=lambda _: None)
+    served = registry.aliases_of(client, MODEL)[aliases.SERVING]
+    # A second version with its own index of a folder gallery: its hits' paths say which index answered.
+    run_id = client.get_model_version(MODEL, "1").run_id
+    other = str(client.create_model_version(MODEL, source=f"runs:/{run_id}/model", run_id=run_id).version)
+    from pipelines.data import build_datasets
+
+    unseen = build_datasets(load_config(str(ckpt / "config.yaml")).data).test
+    folder = tmp_path / f"gallery-v{other}"  # the unseen images of 12 classes, copied: class = sub-folder
+    for i, (path, label) in enumerate(unseen.samples[:60]):
+        (folder / unseen.names[label]).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, folder / unseen.names[label] / f"{i:03d}.png")
+    build(BuildRequest(model=f"{MODEL}/{other}", gallery=str(folder), tracking_uri=uri), log=lambda _: None)
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--model", MODEL, "--tracking-uri", uri, "--port", str(port),
+         "--challenger", other, "--poll-s", "0.5", "--address", ray.get_runtime_context().gcs_address],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if _http(base + "/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert proc.poll() is None and _http(base + "/healthz")[0] == 200, proc.stdout.read() if proc.poll() else ""
+
+        status, examples = _http(base + "/examples")
+        assert status == 200 and len(examples) == 12 and len({e["class"] for e in examples}) == 12
+        query = Path(examples[0]["path"])  # an image of the served gallery
+        status, answer = _http(f"{base}/search?k=5", query.read_bytes())
+        assert status == 200 and answer["version"] == served and len(answer["hits"]) == 5
+        assert answer["hits"][0]["score"] == pytest.approx(1.0, abs=1e-4)  # a gallery image finds itself
+        # Bad uploads: 400; another model, an unknown alias or version: 404 -- each with its reason.
+        status, answer = _http(f"{base}/search?k=5", b"not an image")
+        assert status == 400 and "cannot decode image upload" in answer["error"]
+        assert _http(f"{base}/search?k=0", query.read_bytes())[0] == 400
+        assert _http(f"{base}/search", b"")[0] == 400
+        status, answer = _http(f"{base}/search?model=no-such-model", query.read_bytes())
+        assert status == 404 and "no-such-model" in answer["error"]
+        status, answer = _http(f"{base}/search?alias=nightly", query.read_bytes())
+        assert status == 404 and "nightly" in answer["error"]
+        assert _http(f"{base}/search?version=99", query.read_bytes())[0] == 404
+
+        # The page: an example picked, both columns filled, thumbnails marked right or wrong.
+        browser.get(base + "/")
+        wait_until = time.monotonic() + 60
+        while browser.execute_script("return document.body.dataset.ready") != "1" and time.monotonic() < wait_until:
+            time.sleep(0.2)
+        browser.find_element("css selector", "#examples img").click()
+        while browser.execute_script("return document.body.dataset.done") != "1" and time.monotonic() < wait_until:
+            time.sleep(0.2)
+        script = ("return ['#col-serving', '#col-challenger'].map(c => [document.querySelector(c + ' h2').textContent,"
+                  " document.querySelectorAll(c + ' .hit.right').length, document.querySelectorAll(c + ' .hit.wrong')"
+                  ".length, Array.from(document.querySelectorAll(c + ' .hit img')).filter(i => i.complete &&"
+                  " i.naturalWidth > 0).length])")
+        columns = browser.execute_script(script)
+        while any(loaded < 8 for *_, loaded in columns) and time.monotonic() < wait_until:  # thumbnails loading
+            time.sleep(0.2)
+            columns = browser.execute_script(script)
+        assert columns[0][0] == f"serving: version {served}" and columns[1][0] == f"{other}: version {other}", columns
+        assert all(right + wrong == 8 and loaded == 8 for _, right, wrong, loaded in columns), columns
+        assert columns[0][1] >= 1 and columns[1][1] >= 1  # classes known on both sides: some marked right
+        shot = tmp_path / "serve-page.png"
+        shot.write_bytes(browser.get_screenshot_as_png())
+        assert shot.stat().st_size > 20_000
+
+        # Move `serving` while requests run: answers switch within seconds and never mix versions.
+        answers: list[tuple[float, str, list[str]]] = []
+        done = threading.Event()
+
+        def ask() -> None:
+            while not done.is_set():
+                status, answer = _http(f"{base}/search?k=3", query.read_bytes())
+                assert status == 200
+                answers.append((time.monotonic(), answer["version"], [h["path"] for h in answer["hits"]]))
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(2)
+        moved_at = time.monotonic()
+        assert registry.aliases_of(client, MODEL)[aliases.SERVING] == served
+        from services.index import move_serving
+
+        assert move_serving(client, MODEL, other, min_recall=0.0, log=lambda _: None)
+        while time.monotonic() < moved_at + 30 and not (answers and answers[-1][1] == other):
+            time.sleep(0.2)
+        time.sleep(1)
+        done.set()
+        asker.join()
+        switched = next(t for t, version, _ in answers if version == other)
+        assert switched - moved_at < 10, "serving moved but answers did not follow within 10 s"
+        for _, version, paths in answers:
+            assert version in (served, other)
+            assert all(p.startswith(str(folder)) == (version == other) for p in paths), (version, paths)
+        assert [v for _, v, _ in answers] == sorted((v for _, v, _ in answers), key=lambda v: v == other)
+    finally:
+        proc.send_signal(2)  # SIGINT: the CLI shuts Serve down and exits 0
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and f"serving {MODEL}" in out and "stopped" in out, out
+    registry.set_aliases(client, MODEL, {aliases.SERVING: served})
