@@ -571,6 +571,8 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
                                "in_channels": image_channels(items), "threads": threads},
         batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=max(1, actors)),
         num_cpus=threads, num_gpus=1 if use_gpu else 0,
+        # One actor per node by default: spread them, or Ray packs both onto the first node with room.
+        scheduling_strategy="SPREAD",
     )
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
 

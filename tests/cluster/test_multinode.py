@@ -372,3 +372,51 @@ def test_submit_ships_the_working_directory_and_trains_on_both_nodes(multinode, 
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                filter_string="tags.ray_run_name = 'submitted'")
     assert run.info.status == "FINISHED" and run.data.tags["workers.epoch_1"] == "4"  # 4 workers: both nodes
+
+
+def test_index_build_embeds_on_both_nodes_and_matches_one_node(multinode, tmp_path):
+    """The gallery embedding pass (Ray Data) spreads its actors over both nodes -- seen in the
+    index manifest, which counts the rows each node's actor embedded -- and the index it
+    builds holds the same ids and vectors as a build embedded by one actor on one node."""
+    import numpy as np
+    import ray
+
+    from pipelines.gallery import read_embeddings
+    from pipelines.index import read_index
+    from pipelines.tracking import LocalReporter
+    from pipelines.train import run
+    from services import registry
+    from services.index import BuildRequest, build
+    from services.mlflow_tracking import ensure_experiment
+
+    if runtime.alive_nodes() < 2:
+        multinode.add_worker("node4")
+    uri = multinode.stack.tracking_uri
+    run(load_config("digits", ["train.epochs=1", "train.max_steps_per_epoch=3", "scaling.num_workers=1"]),
+        LocalReporter(tmp_path / "run"))
+    client = MlflowClient(uri)
+    run_id = client.create_run(ensure_experiment(client, "digits-index", uri)).info.run_id
+    client.log_artifacts(run_id, str(sorted((tmp_path / "run").glob("checkpoint_*"))[-1]), "checkpoint")
+    client.set_terminated(run_id)
+    registry.register_version(client, "digits-index", run_id=run_id, tags={}, description="test", promote_it=True)
+
+    def contents(concurrency: int | None, name: str) -> tuple[dict[str, int], np.ndarray, np.ndarray, np.ndarray]:
+        result = build(BuildRequest(model="digits-index/1", gallery="unseen", tracking_uri=uri,
+                                    concurrency=concurrency), log=lambda _: None)
+        folder = Path(client.download_artifacts(result.index_run_id, "index", str(tmp_path / name)))
+        manifest = json.loads((folder / "manifest.json").read_text())
+        ids, vectors = zip(*[(i, v) for i, v, _ in read_embeddings(folder / "embeddings")])
+        index = read_index(folder / "index.faiss")
+        stored = index.index.reconstruct_n(0, index.ntotal) if hasattr(index, "index") else None
+        return manifest["nodes"], np.concatenate(ids), np.concatenate(vectors), stored
+
+    nodes_two, ids_two, vectors_two, index_two = contents(None, "two")
+    nodes_one, ids_one, vectors_one, index_one = contents(1, "one")
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes_two) == 2 and set(nodes_two) <= alive and min(nodes_two.values()) > 0, nodes_two
+    assert len(nodes_one) == 1 and sum(nodes_one.values()) == sum(nodes_two.values()) == len(ids_two)
+    # Same ids in the same order; the same vectors bit for bit (same weights, same batches of
+    # 64, the same CPU kernels on both nodes), so the same exact index.
+    assert np.array_equal(ids_two, ids_one) and np.array_equal(ids_two, np.arange(len(ids_two)))
+    assert np.array_equal(vectors_two, vectors_one)
+    assert index_two is not None and np.array_equal(index_two, index_one)
