@@ -34,6 +34,7 @@ from services import auth, registry, runtime
 from services.cli import main as cli_main
 from services.mlflow_tracking import MlflowTracker, end_run
 from services.s3 import Credentials, s3_client
+from services.snapshots import sha256_file
 from services.stack import ADMIN_FILE, AUTH_CONFIG_FILE, STATE_FILE, Stack
 from tests.e2e.test_retrain import write_digits_snapshot
 
@@ -378,7 +379,16 @@ def test_maintainer_retrain_promotes(ray_cluster, stack, users, tmp_path_factory
         "--config", "digits", *RETRAIN, f"tracking.storage_path={SHARED['storage']}"])
     assert code == 0, err
     assert "decision: PROMOTED to champion -- no champion yet" in out, out
-    assert registry.aliases_of(MlflowClient(stack.tracking_uri), MODEL) == {"champion": "1"}
+    # The promotion built the champion's index as the maintainer, and moved `serving` to it.
+    assert "index: v1 Flat, ANN recall@10 1.0000; serving -> v1" in out, out
+    client = MlflowClient(stack.tracking_uri)
+    assert registry.aliases_of(client, MODEL) == {"champion": "1", "serving": "1"}
+    # A reader's login reads what a search server loads: the version's index, checked by sha256.
+    login(monkeypatch, users, "rd")
+    tags = MlflowClient(stack.tracking_uri).get_model_version(MODEL, "1").tags
+    index_file = Path(MlflowClient(stack.tracking_uri).download_artifacts(
+        tags["index_run_id"], "index/index.faiss", str(tmp_path_factory.mktemp("reader-index"))))
+    assert sha256_file(index_file) == tags["index_sha256"]
 
 
 # ---------------------------------------------------------------- 6. promotion is guarded ---
@@ -392,7 +402,7 @@ def test_trainer_cannot_move_champion_a_maintainer_can(stack, users, tmp_path, c
     registry.register_version(client, MODEL, run_id=SHARED["run"], tags={"source": "trainer run"},
                               description="the trainer's 2-worker run", promote_it=True)
     before = registry.aliases_of(client, MODEL)
-    assert before == {"champion": "2", "previous-champion": "1"}
+    assert before == {"champion": "2", "previous-champion": "1", "serving": "1"}
 
     login(monkeypatch, users, "tr")
     code, _, err, seconds = _cli(capsys, ["models", "rollback", MODEL])
@@ -407,6 +417,7 @@ def test_trainer_cannot_move_champion_a_maintainer_can(stack, users, tmp_path, c
     client = MlflowClient(stack.tracking_uri)
     for move in (lambda: client.set_registered_model_alias(MODEL, "champion", "1"),
                  lambda: client.delete_registered_model_alias(MODEL, "champion"),
+                 lambda: client.set_registered_model_alias(MODEL, "serving", "2"),
                  # MLflow checks a new version with the alias permission (EDIT on the model):
                  # so a trainer proposes candidates in MODEL.candidates (below).
                  lambda: client.create_model_version(MODEL, f"runs:/{SHARED['run']}/model", run_id=SHARED["run"])):
@@ -437,15 +448,19 @@ def test_trainer_cannot_move_champion_a_maintainer_can(stack, users, tmp_path, c
     login(monkeypatch, users, "rd")
     code, _, err, _ = _cli(capsys, ["models", "rollback", MODEL])
     assert code == auth.EXIT_NOPERM and "refused user 'rd'" in _one_line_refusal(err)
+    with pytest.raises(MlflowException) as refused:
+        MlflowClient(stack.tracking_uri).set_registered_model_alias(MODEL, "serving", "2")
+    assert auth.auth_status(refused.value) == 403
     login(monkeypatch, users, "mt")
     code, out, err, _ = _cli(capsys, ["models", "rollback", MODEL])
     assert code == 0 and "champion v2 -> v1" in out, err
-    assert registry.aliases_of(MlflowClient(stack.tracking_uri), MODEL) == {"champion": "1", "previous-champion": "2"}
+    assert registry.aliases_of(MlflowClient(stack.tracking_uri), MODEL) == {
+        "champion": "1", "previous-champion": "2", "serving": "1"}
     # The maintainer serves the trainer's candidate: copied into MODEL as a new version, champion.
     code, out, err, _ = _cli(capsys, ["models", "promote", MODEL, "--candidate", "1"])
     assert code == 0 and "now v3, the champion (previous-champion = v1)" in out, err
     client = MlflowClient(stack.tracking_uri)
-    assert registry.aliases_of(client, MODEL) == {"champion": "3", "previous-champion": "1"}
+    assert registry.aliases_of(client, MODEL) == {"champion": "3", "previous-champion": "1", "serving": "1"}
     served = client.get_model_version(MODEL, "3")
     assert served.run_id == SHARED["run"] and served.tags["promoted_from"] == f"{MODEL}.candidates/1"
     assert served.tags["proposed_by"] == "tr"
