@@ -148,6 +148,11 @@ def test_search_without_an_index_and_unknown_models_say_what_to_do(champion, cap
     assert code == 2 and "no registered model 'no-such-model'" in err
     code, _, err = _cli(capsys, "search", "--model", MODEL, "--alias", "nightly", image, "--tracking-uri", uri)
     assert code == 2 and "has no alias 'nightly'" in err
+    # `serve` checks the same before any replica starts: one line, exit 2.
+    code, _, err = _cli(capsys, "serve", "--model", "no-such-model", "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and "no registered model 'no-such-model'" in err
+    code, _, err = _cli(capsys, "serve", "--model", MODEL, "--alias", "nightly", "--tracking-uri", uri)
+    assert code == 2 and err.count("\n") == 1 and "has no alias 'nightly'" in err
 
 
 def test_a_build_that_fails_midway_leaves_serving_and_tags_alone(champion, ray_cluster, tiny, tmp_path):
