@@ -14,6 +14,7 @@ so the driver decides, once, whether that is an error or a skip (``--skip-bad``)
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 from collections.abc import Iterable, Iterator
@@ -122,6 +123,31 @@ def decode_batch(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndar
             "error": np.array(error)}
 
 
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep freed memory in the process instead of returning it to the
+    kernel; True where it took (glibc), False elsewhere.
+
+    An inference loop frees and reallocates a forward pass's activations (tens of MB) every
+    batch. By default glibc unmaps or trims them and the next batch faults the pages in again:
+    measured on the emoji demo model, 120,000 page faults per batch of 64 and about 45% of the
+    forward's time in the kernel (0.60 s per batch instead of 0.33 s). This covers the main
+    heap; a thread's own arena is shrunk regardless, so processes that embed in a thread start
+    with ``MALLOC_ARENA_MAX=1`` (services/runtime.py). The cost is a resident size at the peak
+    of one batch, which an embedding process reaches anyway.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    # No block gets its own mapping (glibc maps anything over 32 MB, and a thread's arena maps
+    # whatever outgrows its 64 MB heaps): all of it comes from the main heap, which is then
+    # never trimmed below 1 GB.
+    return all([libc.mallopt(m_mmap_max, 0) == 1,
+                libc.mallopt(m_trim_threshold, 1 << 30) == 1,
+                libc.mallopt(m_top_pad, 64 << 20) == 1])
+
+
 class GalleryEmbedder:
     """The model of one version, embedding decoded batches (the evaluation's precision rule).
 
@@ -132,6 +158,7 @@ class GalleryEmbedder:
                  threads: int = 0, node: str = "") -> None:
         if threads:
             torch.set_num_threads(threads)
+        keep_freed_memory()
         self.cfg = config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = EmbeddingModel(config.model, in_channels)

@@ -523,6 +523,15 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
 
 
 # -- Ray Data: a gallery's embedding pass ------------------------------------------------------
+# The environment of the processes that run a model batch after batch (embedding actors, search
+# replicas). They run it in a thread of their own, and glibc gives each thread an arena whose
+# heaps it shrinks as soon as a forward pass frees its activations: the next batch faults them
+# in again (measured: 77,000 page faults and 0.44 s per batch of 64 in a thread, none and 0.30 s
+# in the main thread). One arena keeps every thread on the main heap, which
+# pipelines.gallery.keep_freed_memory keeps from being trimmed. glibc reads it at start only.
+INFERENCE_ENV = {"MALLOC_ARENA_MAX": "1"}
+
+
 class _RayGalleryEmbedder(GalleryEmbedder):
     """The gallery embedder as a Ray Data actor: the weights come from the object store (one
     copy per node), and every row it embeds carries this actor's node id."""
@@ -573,6 +582,7 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
         num_cpus=threads, num_gpus=1 if use_gpu else 0,
         # One actor per node by default: spread them, or Ray packs both onto the first node with room.
         scheduling_strategy="SPREAD",
+        runtime_env={"env_vars": INFERENCE_ENV},
     )
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
 
@@ -613,7 +623,7 @@ def serve_http(make: Callable[[], Any], *, tracking_uri: str, port: int, replica
     login = worker_credentials() if tracking_uri.startswith(("http://", "https://")) else {}
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     deployment = serve.deployment(_SearchReplica, name="search", num_replicas=replicas,
-                                  ray_actor_options={"num_cpus": threads})
+                                  ray_actor_options={"num_cpus": threads, "runtime_env": {"env_vars": INFERENCE_ENV}})
     serve.run(deployment.bind(make, [ray.put(login)] if login else [], threads), name=SERVE_APP, route_prefix="/")
     return f"http://127.0.0.1:{port}/"
 
