@@ -2,7 +2,7 @@
 gallery embedding pass's throughput against the single-process floor.
 
     python tests/benchmarks/bench_index.py ann [--n 50000] [--dim 512]
-    python tests/benchmarks/bench_index.py embed [--images 6400]
+    python tests/benchmarks/bench_index.py embed [--images 16000]
 
 ``ann``: a clustered gallery like a metric-learning model's (``n / 10`` classes of 10 items,
 each a unit class centre plus noise, within-class cosine ~0.7), indexed with
@@ -16,8 +16,7 @@ of 1000 fresh queries from the same classes, build and tuning time, query latenc
 images (copied to ``--images`` files). Floor: the same model and batch on pre-decoded tensors in
 one process of its own with the same torch threads (1), the tensors loaded from disk; it runs
 before and after the pipeline. The same loop in the process that decoded the files is reported
-too: measured, it runs up to 1.8x faster there than in any fresh process (plain or a Ray
-worker) on the very same arrays, a process-state effect we have not pinned down. Pipeline: ``runtime.embed_gallery`` on a local Ray
+too. Pipeline: ``runtime.embed_gallery`` on a local Ray
 instance, 1 actor of 1 thread, files decoded in Ray tasks; timed from the first batch requested
 to the last one received, actor start included.
 Results go to stdout as JSON lines; docs/benchmarks.md quotes them.
@@ -190,7 +189,7 @@ def main() -> None:
     a.add_argument("--n", type=int, default=50_000)
     a.add_argument("--dim", type=int, default=512)
     e = sub.add_parser("embed")
-    e.add_argument("--images", type=int, default=6400)
+    e.add_argument("--images", type=int, default=16000)
     args = parser.parse_args()
     result = ann(args.n, args.dim) if args.what == "ann" else embed(args.images)
     print(json.dumps(result), flush=True)
