@@ -376,13 +376,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     uri = resolve_tracking_uri(args.tracking_uri)
     try:  # checked here, in one line, before any replica starts
         version = index.resolve_version(MlflowClient(uri), index.ModelRef(args.model, args.alias, None))
+        index.require_index(args.model, version)
     except index.IndexBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not index.has_index(version):
-        print(f"error: model {args.model!r} version {version.version} ({args.alias}) has no index: build one with "
-              f"`proxydml index build --model {args.model}/{version.version} --gallery SOURCE --serve`",
-              file=sys.stderr)
         return 2
     runtime.ensure_ray(args.address)
     stop = threading.Event()

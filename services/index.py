@@ -322,25 +322,16 @@ def _tune(index: Any, folder: Path, seed: int, target: float) -> Any:
     if total < 2:
         return Tuned(1.0, "")  # one image: nothing else to find
     chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(RECALL_QUERIES, total), replace=False))
-    queries, start = [], 0
+    queries, own, start = [], [], 0
     for ids, vectors, _ in read_embeddings(folder):
         pos = chosen[(chosen >= start) & (chosen < start + len(ids))] - start
         queries.append(vectors[pos])
+        own.append(ids[pos])
         start += len(ids)
-    q = np.concatenate(queries)
-    own = _ids_at(folder, chosen)
+    q, own = np.concatenate(queries), np.concatenate(own)
     k = min(RECALL_K, total - 1)
     exact = exact_top_k(q, ((ids, v) for ids, v, _ in read_embeddings(folder)), k, self_ids=own)
     return tune_search(index, q, exact, target, self_ids=own)
-
-
-def _ids_at(folder: Path, positions: np.ndarray) -> np.ndarray:
-    """Gallery ids at sorted row ``positions`` of the embeddings files."""
-    out, start = [], 0
-    for ids, _, _ in read_embeddings(folder, vectors=False):
-        out.append(ids[positions[(positions >= start) & (positions < start + len(ids))] - start])
-        start += len(ids)
-    return np.concatenate(out)
 
 
 def _publish(client: Any, version: Any, folder: Path, result: IndexResult, step: Callable[[str], None]) -> str:
@@ -405,6 +396,13 @@ def move_serving(client: Any, name: str, version: str, *, min_recall: float = MI
 
 
 # ---------------------------------------------------------------- search ----------------------
+def require_index(name: str, version: Any) -> None:
+    """NotFound naming the command to run when ``version`` of model ``name`` has no published index."""
+    if not has_index(version):
+        raise NotFound(f"model {name!r} version {version.version} has no index: build one with "
+                       f"`proxydml index build --model {name}/{version.version} --gallery SOURCE`")
+
+
 @dataclass
 class Searcher:
     """One version's model and index, ready to answer: what ``search`` and ``serve`` hold."""
@@ -444,10 +442,8 @@ class Searcher:
 def open_searcher(client: Any, ref: ModelRef, cache: Path | None = None) -> Searcher:
     """Load the model and the index of the version ``ref`` names (downloads cached, checked by sha256)."""
     version = resolve_version(client, ref)
-    tags = version.tags or {}
-    if not tags.get("index_uri"):
-        raise NotFound(f"model {ref.name!r} version {version.version} has no index: build one with "
-                       f"`proxydml index build --model {ref.name}/{version.version} --gallery SOURCE`")
+    require_index(ref.name, version)
+    tags = version.tags
     # One folder per published index (its run): the embeddings' paths belong to that gallery.
     folder = (cache or cache_root() / "index") / tags["index_run_id"]
     if not (folder / ".complete").is_file():

@@ -26,6 +26,7 @@ import json
 import logging
 import mimetypes
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,16 +79,12 @@ class SearchService:
         self._others: OrderedDict[str, Searcher] = OrderedDict()
         # Fails (NotFound) at start when the model, the alias or its index is missing.
         self.current: Searcher = open_searcher(client, ModelRef(name, alias, None), cache)
-        self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="serving-alias-poller", daemon=True)
-        self._poller.start()
-
-    def close(self) -> None:
-        self._stop.set()
+        threading.Thread(target=self._poll, name="serving-alias-poller", daemon=True).start()
 
     # -- versions ------------------------------------------------------------------------------
     def _poll(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:
+            time.sleep(self.poll_s)
             try:
                 self.refresh()
             except Exception as exc:  # the registry is away or the new index is bad: keep serving
