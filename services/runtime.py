@@ -560,6 +560,11 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
+    # Dispatch only once every actor has loaded the model: otherwise the first one up (its
+    # node's workers already warm) embeds a small gallery alone while the others still import
+    # torch, and "every node embeds" becomes a race. A cluster without room for the pool fails
+    # here with Ray Data's timeout instead of waiting forever.
+    ctx.wait_for_min_actors_s = 600
     use_gpu = gpu_available()
     actors = concurrency or (int(ray.cluster_resources().get("GPU", 0)) if use_gpu else alive_nodes())
     rows = items.rows()
