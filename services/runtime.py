@@ -577,8 +577,11 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
     # spares the start-up of more worker processes each importing torch (measured: first batch
     # after 24 s with unbounded decode tasks on 2 cores, 8 s with one); a GPU's forward pass
     # outruns one decoder, so there Ray Data scales decoding over every CPU.
+    # Decode tasks spread over the nodes too: Ray Data hands a block to an actor on the node that
+    # holds it while that actor has room, so blocks decoded on one node would all be embedded there.
     ds = ds.map_batches(decode_batch, fn_kwargs={"cfg": cfg}, batch_size=64, batch_format="numpy", num_cpus=0.5,
-                        compute=ray.data.TaskPoolStrategy(size=None if use_gpu else max(1, actors)))
+                        compute=ray.data.TaskPoolStrategy(size=None if use_gpu else max(1, actors)),
+                        scheduling_strategy="SPREAD")
     ds = ds.map_batches(
         _RayGalleryEmbedder,
         fn_constructor_kwargs={"config": cfg.to_dict(), "state": ray.put(state),

@@ -412,6 +412,7 @@ def test_index_build_embeds_on_both_nodes_and_matches_one_node(multinode, tmp_pa
 
     nodes_two, ids_two, vectors_two, index_two = contents(None, "two")
     nodes_one, ids_one, vectors_one, index_one = contents(1, "one")
+    print(f"\nrows embedded per node: {sorted(nodes_two.values())}")
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(nodes_two) == 2 and set(nodes_two) <= alive and min(nodes_two.values()) > 0, nodes_two
     assert len(nodes_one) == 1 and sum(nodes_one.values()) == sum(nodes_two.values()) == len(ids_two)
