@@ -17,8 +17,9 @@ PROBE_TIMEOUT_S = 5.0
 
 
 class ClusterError(RuntimeError):
-    """The Ray cluster named by ``--address`` / $RAY_ADDRESS cannot be reached; the message
-    (one line) names the address and what to do."""
+    """The Ray cluster named by ``--address`` / $RAY_ADDRESS cannot be reached, or has no room
+    for what a command asks of it; the message (one line) names the cluster or the ask and what
+    to do."""
 
 
 def host_port(address: str) -> tuple[str, int]:

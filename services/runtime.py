@@ -562,11 +562,11 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
     ctx.enable_progress_bars = False
     # Dispatch only once every actor has loaded the model: otherwise the first one up (its
     # node's workers already warm) embeds a small gallery alone while the others still import
-    # torch, and "every node embeds" becomes a race. A cluster without room for the pool fails
-    # here with Ray Data's timeout instead of waiting forever.
+    # torch, and "every node embeds" becomes a race.
     ctx.wait_for_min_actors_s = 600
     use_gpu = gpu_available()
-    actors = concurrency or (int(ray.cluster_resources().get("GPU", 0)) if use_gpu else alive_nodes())
+    nodes = alive_nodes()
+    actors = max(1, concurrency or (int(ray.cluster_resources().get("GPU", 0)) if use_gpu else nodes))
     rows = items.rows()
     # Decode blocks small enough that every actor gets work, large enough to amortise a task.
     blocks = max(1, min(len(rows) // max(1, min(batch_size, 64)), 2000))
@@ -577,22 +577,51 @@ def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tenso
     # spares the start-up of more worker processes each importing torch (measured: first batch
     # after 24 s with unbounded decode tasks on 2 cores, 8 s with one); a GPU's forward pass
     # outruns one decoder, so there Ray Data scales decoding over every CPU.
-    # Decode tasks spread over the nodes too: Ray Data hands a block to an actor on the node that
-    # holds it while that actor has room, so blocks decoded on one node would all be embedded there.
-    ds = ds.map_batches(decode_batch, fn_kwargs={"cfg": cfg}, batch_size=64, batch_format="numpy", num_cpus=0.5,
-                        compute=ray.data.TaskPoolStrategy(size=None if use_gpu else max(1, actors)),
-                        scheduling_strategy="SPREAD")
-    ds = ds.map_batches(
-        _RayGalleryEmbedder,
-        fn_constructor_kwargs={"config": cfg.to_dict(), "state": ray.put(state),
-                               "in_channels": image_channels(items), "threads": threads},
-        batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=max(1, actors)),
-        num_cpus=threads, num_gpus=1 if use_gpu else 0,
-        # One actor per node by default: spread them, or Ray packs both onto the first node with room.
-        scheduling_strategy="SPREAD",
-        runtime_env={"env_vars": INFERENCE_ENV},
-    )
-    yield from ds.iter_batches(batch_size=None, batch_format="numpy")
+    one_per_node = actors <= nodes
+    with contextlib.ExitStack() as stack:
+        # On CPUs each actor's decoder sits on the actor's node: Ray Data gives a block to an
+        # actor on the node holding it while that actor has room, so where the blocks decode
+        # decides where they embed (all on one node when the scheduler packed the decoders there).
+        decoders = ({"compute": ray.data.TaskPoolStrategy(size=None)} if use_gpu else
+                    {"compute": ray.data.TaskPoolStrategy(size=actors),
+                     "scheduling_strategy": stack.enter_context(_slots(actors, {"CPU": 0.5}, one_per_node))})
+        ds = ds.map_batches(decode_batch, fn_kwargs={"cfg": cfg}, batch_size=64, batch_format="numpy", num_cpus=0.5,
+                            **decoders)
+        bundle = {"CPU": threads, **({"GPU": 1} if use_gpu else {})}
+        ds = ds.map_batches(
+            _RayGalleryEmbedder,
+            fn_constructor_kwargs={"config": cfg.to_dict(), "state": ray.put(state),
+                                   "in_channels": image_channels(items), "threads": threads},
+            batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=threads, num_gpus=1 if use_gpu else 0,
+            scheduling_strategy=stack.enter_context(_slots(actors, bundle, one_per_node)),
+            runtime_env={"env_vars": INFERENCE_ENV},
+        )
+        yield from ds.iter_batches(batch_size=None, batch_format="numpy")
+
+
+@contextlib.contextmanager
+def _slots(count: int, bundle: dict[str, float], one_per_node: bool, timeout_s: float = 600) -> Iterator[Any]:
+    """A placement group of ``count`` slots of ``bundle``, one per node where ``one_per_node``
+    (else spread as evenly as Ray can); yields the scheduling strategy that puts a task or an
+    actor in a free slot. Removed on exit.
+
+    A plain SPREAD is decided on the scheduler's view of free resources, which lags: an actor
+    asked for just after another job left a node sees that node full and lands beside its
+    sibling. A STRICT_SPREAD group waits until every node has the room instead.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([dict(bundle)] * count, strategy="STRICT_SPREAD" if one_per_node else "SPREAD")
+    try:
+        if not group.wait(timeout_s):
+            where = "on distinct nodes " if one_per_node else ""
+            raise ClusterError(f"the cluster has no room {where}for {count} embedding slot(s) of {bundle} "
+                               f"after {timeout_s:.0f} s; free resources or pass a lower --concurrency or --threads")
+        yield PlacementGroupSchedulingStrategy(group)
+    finally:
+        remove_placement_group(group)
 
 
 # -- Ray Serve: search over HTTP ---------------------------------------------------------------
