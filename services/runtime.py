@@ -110,6 +110,11 @@ def gpu_available() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def wants_gpu(cfg: Config) -> bool:
+    """Whether each worker of ``cfg`` gets a GPU: ``scaling.use_gpu`` true, or auto on a cluster with GPUs."""
+    return cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
+
+
 # How long a worker keeps retrying a checkpoint upload that fails (the storage server is down
 # or unreachable) before it gives up and lets Ray's FailureConfig restart the worker group from
 # the last registered checkpoint. The driver reads it when the run starts (workers do not see
@@ -278,8 +283,7 @@ def _system_metrics(run_id: str, uri: str) -> Any:
     return monitor
 
 
-def _train_loop(loop_config: dict[str, Any]) -> None:
-    """Runs on every Ray Train worker."""
+def _quiet_worker_logs() -> None:
     # Ray Train logs one INFO line per report on every worker; keep the epoch summaries readable.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     # ...including the one logged by a module whose logger is named by its file path.
@@ -287,34 +291,46 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
 
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
+def _train_tracked(cfg: Config, reporter: Any, run_id: str | None, uri: str | None, *,
+                   flush_timeout_s: float = 600.0) -> dict[str, float]:
+    """The pipeline's run in this process, recorded to MLflow run ``run_id`` when given (the
+    rank-0 worker of a Ray Train run, or a one-worker trial's own process)."""
     from services.snapshots import install_data_resolver
 
     install_data_resolver()  # data.root=s3://...: read from this node's cache, filled once per node
-    cfg = from_dict(loop_config["config"])
     # Threads = the CPUs Ray reserved for this worker (the driver made an automatic value concrete).
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-    reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0),
-                           show_progress=loop_config.get("show_progress", False))
-    run_id = loop_config.get("mlflow_run_id")
-    if not run_id or ray.train.get_context().get_world_rank() != 0:
-        train_pipeline.run(cfg, reporter, NullTracker())
-        return
+    if not run_id:
+        return train_pipeline.run(cfg, reporter, NullTracker())
     from services.mlflow_tracking import MlflowTracker
 
     # In this worker process only: one quick HTTP attempt per call, so the tracker's own
     # buffer-and-backoff loop notices an outage at once instead of inside MLflow's retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    tracker = MlflowTracker(run_id, loop_config["mlflow_uri"])
-    monitor = _system_metrics(run_id, loop_config["mlflow_uri"])
+    tracker = MlflowTracker(run_id, uri)
+    monitor = _system_metrics(run_id, uri)
     try:
         # The run id travels in every checkpoint: a restarted worker continues the same run.
-        train_pipeline.run(cfg, reporter, tracker, extra_state={"mlflow_run_id": run_id})
+        return train_pipeline.run(cfg, reporter, tracker, extra_state={"mlflow_run_id": run_id})
     finally:
         if monitor is not None:
             monitor.finish()
-        if not tracker.close(timeout=loop_config.get("flush_timeout_s", 600)):
+        if not tracker.close(timeout=flush_timeout_s):
             print(f"warning: {tracker.pending()} MLflow record(s) could not be delivered", flush=True)
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker."""
+    _quiet_worker_logs()
+    cfg = from_dict(loop_config["config"])
+    reporter = RayReporter(upload_retry_s=loop_config.get("upload_retry_s", 0.0),
+                           show_progress=loop_config.get("show_progress", False))
+    rank0 = ray.train.get_context().get_world_rank() == 0
+    _train_tracked(cfg, reporter, loop_config.get("mlflow_run_id") if rank0 else None,
+                   loop_config.get("mlflow_uri"), flush_timeout_s=loop_config.get("flush_timeout_s", 600))
 
 
 def storage(cfg: Config) -> tuple[str, Any]:
@@ -371,7 +387,7 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
     # Callers pass a config made concrete by training.resolve_for_workers; this covers direct use.
     cfg = dataclasses.replace(cfg, scaling=cfg.scaling.resolved(os.cpu_count() or 1))
     path, filesystem = storage(cfg)
-    use_gpu = cfg.scaling.use_gpu == "true" or (cfg.scaling.use_gpu == "auto" and gpu_available())
+    use_gpu = wants_gpu(cfg)
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = 1
@@ -422,16 +438,53 @@ def _tune_domain(dim: Dimension) -> Any:
     return tune.grid_search(list(dim.values))
 
 
+class TuneReporter:
+    """The pipeline's Reporter in a one-worker trial's own process: Tune persists each reported
+    checkpoint into the trial's folder of the sweep storage before ``report`` returns, and hands
+    the latest back when it restarts the trial (a lost node, a resumed sweep)."""
+
+    def progress(self, total: int, description: str) -> Progress:
+        return NullProgress()  # many trials side by side: the sweep's console has its own summary
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[Path | None]:
+        from ray import tune
+
+        ckpt = tune.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as d:
+            yield Path(d)
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+        from ray import tune
+
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None)
+
+
+def in_process_trials(base: Config) -> bool:
+    """One-worker trials train in the Tune trial's own (reused) process: no Train controller,
+    no worker group and no second import of torch per trial, which were most of a short
+    trial's time. Multi-worker and elastic trials keep Ray Train (DDP, the sharded proxies)."""
+    return not base.scaling.elastic and base.scaling.num_workers == 1
+
+
+def _trial_dirname(trial: Any, sweep: str) -> str:
+    """A trial's folder in the sweep storage: its MLflow run name (ids, never a timestamp)."""
+    return f"{sweep}-{trial.trial_id}"
+
+
 def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, parent_run_id: str,
                   mlflow_uri: str, storage_path: str, login: dict[str, str] | None = None) -> None:
-    """One trial: a full multi-worker TorchTrainer run, its reports forwarded to Tune.
+    """One trial: trained here when it has one worker (see :func:`in_process_trials`), else a
+    full multi-worker TorchTrainer run whose reports are forwarded to Tune.
 
     ``login``: the sweep driver's MLflow login (tune.with_parameters keeps it in the object
     store, out of the trial config Tune records), this actor's environment from here on.
     """
     use_credentials(login or {})
     from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from services import mlflow_tracking as mt
 
@@ -442,9 +495,15 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     run_id, _ = mt.open_run(cfg, mlflow_uri, extra_tags={
         "mlflow.parentRunId": parent_run_id, "sweep_name": sweep, "trial_id": trial_id,
     })
-    result = fit(cfg, mlflow_run_id=run_id, mlflow_uri=mlflow_uri, callbacks=[TuneReportCallback()])
-    if result.error is not None:
-        raise result.error
+    if in_process_trials(cfg):
+        _quiet_worker_logs()
+        _train_tracked(cfg, TuneReporter(), run_id, mlflow_uri)
+    else:
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        result = fit(cfg, mlflow_run_id=run_id, mlflow_uri=mlflow_uri, callbacks=[TuneReportCallback()])
+        if result.error is not None:
+            raise result.error
     # Only success is recorded here. A stopped (ASHA, max_t) or failed trial gets its status from
     # the sweep driver, from Tune's view (sweep.close_trial_runs): a FAILED written here while
     # Tune tears the actor down could land after that KILLED (seen: 1 child of 4).
@@ -461,13 +520,19 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     # lost resumes on another node from its last checkpoint.
     root = storage_root.rstrip("/") if storage_root.startswith("s3://") else str(Path(storage_root).resolve())
     storage, filesystem = storage_location(root)
+    one_process = in_process_trials(spec.base)
+    if one_process:  # the trial trains in its own process: it holds the worker's resources
+        resources = {"cpu": spec.base.scaling.cpus_per_worker, "gpu": 1 if wants_gpu(spec.base) else 0}
+    else:  # the trial driver only waits on its Train workers: a sliver of a CPU (docs/operations.md)
+        resources = {"cpu": 0.01}
     trainable = tune.with_resources(
         tune.with_parameters(
             _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
-            mlflow_uri=mlflow_uri, storage_path=f"{root}/{name}/trials", login=worker_credentials(),
+            mlflow_uri=mlflow_uri, login=worker_credentials(),
+            # In-process trials keep their checkpoints in Tune's trial folder, Train runs their own.
+            storage_path=f"{root}/{name}" if one_process else f"{root}/{name}/trials",
         ),
-        # The trial driver only waits on its Train workers: a sliver of a CPU (docs/operations.md).
-        {"cpu": 0.01},
+        resources,
     )
     path = f"{storage}/{name}"
     if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
@@ -500,6 +565,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
                 metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
                 num_samples=num_samples(spec.samples, spec.search),
                 max_concurrent_trials=limit,
+                # The next trial runs in the warm process of the last: imports and data already there.
+                reuse_actors=one_process,
+                trial_dirname_creator=functools.partial(_trial_dirname, sweep=name),
             ),
             run_config=tune.RunConfig(
                 name=name, storage_path=storage, storage_filesystem=filesystem, verbose=1,

@@ -1,4 +1,6 @@
-"""Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials, nested in MLflow, resumable."""
+"""Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials (Ray Train) nested in MLflow;
+a resumable sweep of one-worker trials (trained in the trial's own process) whose trials score
+what `proxydml train` scores with the same config."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.config import from_dict, load_config
 from pipelines.tracking import LocalReporter
 from pipelines.train import run as train_locally
-from services import sweep
+from services import sweep, training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -72,8 +74,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
 
     args = [sys.executable, "-m", "services.cli", "tune", "--space", "digits_quick", "--samples", "3",
             "--max-concurrent", "1", "--scheduler", "none", "--address", ray.get_runtime_context().gcs_address,
-            "train.epochs=1", "train.max_steps_per_epoch=3", f"tracking.tracking_uri={local_mlflow}",
-            f"tracking.storage_path={tmp_path / 'runs'}"]
+            "train.epochs=1", "train.max_steps_per_epoch=3", "scaling.num_workers=1",
+            f"tracking.tracking_uri={local_mlflow}", f"tracking.storage_path={tmp_path / 'runs'}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     client = MlflowClient(local_mlflow)
 
@@ -109,3 +111,17 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
         assert [m.step for m in history] == [1], (child.data.tags["trial_id"], history)
         if child.data.tags["trial_id"] in finished_first:  # not run again: same record
             assert [m.timestamp for m in history] == [m.timestamp for m in done_before[child.data.tags["trial_id"]]]
+
+    # A one-worker trial trains in its Tune process; `proxydml train` of the best trial's config
+    # (one Ray Train worker, the same single thread) scores the same, to the bit.
+    best = from_dict(yaml.safe_load(sweep.best_config(client.get_run(parent_id).data.tags["sweep_name"],
+                                                      local_mlflow)))
+    winner = max(children, key=lambda c: c.data.metrics["map_at_r"])
+    assert float(winner.data.params["optim.lr"]) == pytest.approx(best.optim.lr)
+    assert best.scaling.num_workers == 1 and best.scaling.cpus_per_worker == 1
+    trained = training.train(load_config(None, [
+        f"{k}={v}" for k, v in best.flat().items() if v is not None and not isinstance(v, list)
+        and not k.startswith("tracking.")] + [f"tracking.tracking_uri={local_mlflow}",
+                                              f"tracking.storage_path={tmp_path / 'train'}"]), log_model=False)
+    for key in ("loss", "map_at_r", "recall_at_1"):
+        assert trained.metrics[key] == winner.data.metrics[key], key
