@@ -48,7 +48,31 @@ def run_in_terminal(args: list[str], cwd: Path, timeout: float = 420) -> tuple[i
     return proc.returncode, out.decode(errors="replace")
 
 
-def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_path):
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
+    """`proxydml train` with its output on pipes, started when the module starts: it runs beside
+    the terminal run of the first test (two Ray instances; the command's start-up, not its
+    training, is most of its time), and the second test reads what it printed."""
+    tmp = tmp_path_factory.mktemp("piped")
+    # Files, not pipes: nothing reads them while the first test runs, and a full pipe would stall it.
+    with open(tmp / "stdout", "w") as out, open(tmp / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
+             "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp / 'runs'}",
+             f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
+            cwd=tmp, stdout=out, stderr=err, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def finished() -> tuple[int, str, str]:
+        code = proc.wait(timeout=420)
+        return code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()
+
+    yield finished
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_path, piped_run):
     db = tmp_path / "mlflow.db"
     code, shown = run_in_terminal(
         [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
@@ -75,16 +99,12 @@ def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_pat
     assert [a.path for a in client.list_artifacts(run_id, "logs")] == [f"logs/{logs[0].name}"]
 
 
-def test_output_that_is_not_a_terminal_has_no_bar(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
-         "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp_path / 'runs'}",
-         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=420, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    assert "%|" not in out.stdout + out.stderr
+def test_output_that_is_not_a_terminal_has_no_bar(piped_run):
+    code, stdout, stderr = piped_run()
+    assert code == 0, stderr
+    assert "%|" not in stdout + stderr
     # The epoch line: the headline only (the other 16 metrics go to MLflow and the log file).
-    line, = [x for x in out.stdout.splitlines() if "epoch 1/1 loss " in x]
+    line, = [x for x in stdout.splitlines() if "epoch 1/1 loss " in x]
     assert len(line) < 160, line
     for part in ("R@1 0.", "MAP@R 0.", "train ", "eval "):
         assert part in line, line
