@@ -43,35 +43,50 @@ def stale_ray_tmp():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _cli(args: list[str], cwd: Path, ray_tmp: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+def _start(args: list[str], cwd: Path, ray_tmp: Path, **env: str) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     environ.update(PYTHONPATH=str(ROOT), RAY_TMPDIR=str(ray_tmp), **env)
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _cli(args: list[str], cwd: Path, ray_tmp: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return _finish(_start(args, cwd, ray_tmp, **env), timeout)
 
 
 def test_dead_addresses_fail_at_once_with_one_line(stale_ray_tmp, tmp_path):
     ray_tmp, stale = stale_ray_tmp
-    common = ["train.epochs=1", f"tracking.storage_path={tmp_path / 'runs'}",
-              f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    # One store per command: they run at once, and each would create (migrate) a new sqlite store.
+    stores = [f"sqlite:///{tmp_path / f'mlflow{i}.db'}" for i in range(3)]
+
+    def common(i: int) -> list[str]:
+        return ["train.epochs=1", f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri={stores[i]}"]
+
     dead = _dead_address()
     cases = [
-        (["train", "--address", dead, *common], {}, f"error: no Ray cluster at {dead} (--address)"),
-        (["train", *common], {"RAY_ADDRESS": dead}, f"error: no Ray cluster at {dead} ($RAY_ADDRESS)"),
+        (["train", "--address", dead, *common(0)], {}, f"error: no Ray cluster at {dead} (--address)"),
+        (["train", *common(1)], {"RAY_ADDRESS": dead}, f"error: no Ray cluster at {dead} ($RAY_ADDRESS)"),
         # auto: the cluster the stale file names, which is dead.
-        (["tune", "--address", "auto", "--space", "digits_quick", "--samples", "2", *common], {},
+        (["tune", "--address", "auto", "--space", "digits_quick", "--samples", "2", *common(2)], {},
          f"error: no Ray cluster at {stale} (--address auto)"),
     ]
-    for args, env, line in cases:
-        started = time.monotonic()
-        out = _cli(args, tmp_path, ray_tmp, timeout=120, **env)
+    # The three commands side by side: each is mostly its own start-up (imports, config checks).
+    started = time.monotonic()
+    procs = [_start(args, tmp_path, ray_tmp, **env) for args, env, _ in cases]
+    for (args, _, line), proc in zip(cases, procs):
+        out = _finish(proc, timeout=120)
         seconds = time.monotonic() - started
         assert out.returncode == 2, out.stderr
         err = out.stderr.strip().splitlines()
         assert err[-1].startswith(line) and "Traceback" not in out.stderr, out.stderr
         assert seconds < 60, f"{args[:3]}: {seconds:.0f} s"  # Ray's own retries take minutes
     assert not (tmp_path / "runs").exists()
-    assert no_mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert all(no_mlflow_runs(uri) for uri in stores)
 
 
 def no_mlflow_runs(uri: str) -> bool:
