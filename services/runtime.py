@@ -230,6 +230,16 @@ def _persist_checkpoint(checkpoint: ray.train.Checkpoint, dir_name: str, *,
     return retry_upload(upload, label=label, budget_s=budget_s)
 
 
+@contextlib.contextmanager
+def _as_folder(ckpt: ray.train.Checkpoint | None) -> Iterator[Path | None]:
+    """A checkpoint Ray hands back (Train's or Tune's) as a local folder; None for none."""
+    if ckpt is None:
+        yield None
+        return
+    with ckpt.as_directory() as d:
+        yield Path(d)
+
+
 class RayReporter:
     """The pipeline's Reporter on top of the Ray Train session.
 
@@ -250,14 +260,8 @@ class RayReporter:
 
         return tqdm_ray.tqdm(total=total, desc=description, unit="step")
 
-    @contextlib.contextmanager
-    def latest_checkpoint(self) -> Iterator[Path | None]:
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as d:
-            yield Path(d)
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
+        return _as_folder(ray.train.get_checkpoint())
 
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
@@ -449,16 +453,10 @@ class TuneReporter:
     def progress(self, total: int, description: str) -> Progress:
         return NullProgress()  # many trials side by side: the sweep's console has its own summary
 
-    @contextlib.contextmanager
-    def latest_checkpoint(self) -> Iterator[Path | None]:
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         from ray import tune
 
-        ckpt = tune.get_checkpoint()
-        if ckpt is None:
-            yield None
-            return
-        with ckpt.as_directory() as d:
-            yield Path(d)
+        return _as_folder(tune.get_checkpoint())
 
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
         from ray import tune
