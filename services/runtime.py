@@ -477,9 +477,10 @@ def _trial_dirname(trial: Any, sweep: str) -> str:
 
 
 def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, parent_run_id: str,
-                  mlflow_uri: str, storage_path: str, login: dict[str, str] | None = None) -> None:
-    """One trial: trained here when it has one worker (see :func:`in_process_trials`), else a
-    full multi-worker TorchTrainer run whose reports are forwarded to Tune.
+                  mlflow_uri: str, storage_path: str, in_process: bool, login: dict[str, str] | None = None) -> None:
+    """One trial: trained here when ``in_process`` (decided once for the sweep by
+    :func:`in_process_trials`, which also sized the trial's resources), else a full
+    multi-worker TorchTrainer run whose reports are forwarded to Tune.
 
     ``login``: the sweep driver's MLflow login (tune.with_parameters keeps it in the object
     store, out of the trial config Tune records), this actor's environment from here on.
@@ -496,7 +497,7 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     run_id, _ = mt.open_run(cfg, mlflow_uri, extra_tags={
         "mlflow.parentRunId": parent_run_id, "sweep_name": sweep, "trial_id": trial_id,
     })
-    if in_process_trials(cfg):
+    if in_process:
         _quiet_worker_logs()
         _train_tracked(cfg, TuneReporter(), run_id, mlflow_uri)
     else:
@@ -529,7 +530,7 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     trainable = tune.with_resources(
         tune.with_parameters(
             _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
-            mlflow_uri=mlflow_uri, login=worker_credentials(),
+            mlflow_uri=mlflow_uri, login=worker_credentials(), in_process=one_process,
             # In-process trials keep their checkpoints in Tune's trial folder, Train runs their own.
             storage_path=f"{root}/{name}" if one_process else f"{root}/{name}/trials",
         ),
