@@ -158,15 +158,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     with console.run_console(console.log_path_for(f"tune-{Path(args.space).stem}"), discard_on=USER_ERRORS) as log:
         print(f"proxydml tune: --samples {args.samples}, {args.search} search, scheduler {args.scheduler}, "
               f"{base.scaling.num_workers} worker(s) a trial", flush=True)
-        out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
-                              search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
-                              address=args.address, grace_period=args.grace,
-                              reduction_factor=args.reduction_factor, include_base=args.include_base)
+        # Tune's status tables and the trials' own output go to the log; the console gets one line.
+        with console.log_only() as show:
+            out = sweep.run_sweep(base, args.space, samples=args.samples, scheduler=args.scheduler,
+                                  search=args.search, max_concurrent=args.max_concurrent, metric=args.metric,
+                                  address=args.address, grace_period=args.grace,
+                                  reduction_factor=args.reduction_factor, include_base=args.include_base,
+                                  warm_start=args.warm_start, start_from_best=args.start_from_best,
+                                  on_progress=console.SweepConsole(show, tty=sys.stdout.isatty()))
         print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
         for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
             shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
             metric = f"{t['metric']:.4f}" if t["metric"] is not None else "n/a"
             print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {shown}")
+            if t["error"]:
+                print(f"    failed: {t['error'].splitlines()[0][:200]} (full trace in the log)")
         print(f"MLflow parent run: {out.parent_run_id}")
         print(f"best config      : proxydml tune best {out.name}")
         print(f"log              : {log}")
@@ -477,6 +483,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                     help="ASHA: 1/N of the trials at a rung go on to the next (default 2)")
     tu.add_argument("--include-base", action="store_true",
                     help="the first trial runs the recipe's own values of the searched keys")
+    tu.add_argument("--warm-start", default=None, metavar="SWEEP",
+                    help="tell the Optuna searcher an earlier sweep's scored trials before it suggests any")
+    tu.add_argument("--start-from-best", action="store_true",
+                    help="with --warm-start: the earlier sweep's best point is the first trial")
     tu.add_argument("--address", default=None, help="Ray cluster address (default: local)")
     tu.add_argument("overrides", nargs="*", help="dotted key=value overrides of the base config")
     tu.set_defaults(func=_cmd_tune)

@@ -18,7 +18,9 @@ import logging
 import re
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -57,6 +59,7 @@ class _Tee(io.TextIOBase):
         self.console: IO[str] = console
         self.log: IO[str] | None = log
         self._pending = ""
+        self.quiet = False  # log_only(): everything to the log, the console shows only show()
         # Re-entrant: a signal handler (Ray Tune prints on Ctrl-C) may write while the main
         # thread is inside write(); a plain Lock would deadlock the process there.
         self._lock = threading.RLock()
@@ -65,6 +68,8 @@ class _Tee(io.TextIOBase):
         with self._lock:
             if self.log is not None:
                 self.log.write(text)
+            if self.quiet:
+                return len(text)
             if "\r" in text and "\n" not in text and not self._pending:
                 self.console.write(text)
                 return len(text)
@@ -74,6 +79,14 @@ class _Tee(io.TextIOBase):
                 if not is_chatter(line):
                     self.console.write(line + "\n")
         return len(text)
+
+    def show(self, text: str) -> None:
+        """Write ``text`` to the console (and the log) even inside :func:`log_only`."""
+        with self._lock:
+            if self.log is not None:
+                self.log.write(text)
+            self.console.write(text)
+            self.console.flush()
 
     def flush(self) -> None:
         with self._lock:
@@ -157,6 +170,81 @@ def run_console(log_path: Path, discard_on: tuple[type[BaseException], ...] = ()
             for d in created:  # innermost first: the folders this call made, if still empty
                 with contextlib.suppress(OSError):
                     d.rmdir()
+
+
+@contextlib.contextmanager
+def log_only() -> Iterator[Callable[[str], None]]:
+    """Within the block everything printed or logged goes to the log file only, and the console
+    shows just what the yielded ``show`` writes: a sweep's one progress line instead of Ray
+    Tune's status tables and every trial's forwarded output. Outside :func:`run_console`
+    nothing is muted and ``show`` writes to stdout."""
+    tees = [s for s in (sys.stdout, sys.stderr) if isinstance(s, _Tee)]
+    out = sys.stdout
+
+    def show(text: str) -> None:
+        if isinstance(out, _Tee):
+            out.show(text)
+        else:
+            out.write(text)
+            out.flush()
+
+    for tee in tees:
+        tee.quiet = True
+    try:
+        yield show
+    finally:
+        for tee in tees:
+            tee.quiet = False
+
+
+@dataclass(frozen=True)
+class SweepProgress:
+    """Where a sweep stands: its trials by state, the best score so far, the time and compute spent."""
+
+    planned: int  # trials the search will run in all (as far as it knows)
+    done: int  # every epoch trained
+    running: int
+    pending: int
+    stopped: int  # stopped early by the scheduler (an ASHA rung)
+    failed: int
+    metric: str
+    best: float | None
+    best_trial: str
+    elapsed_s: float
+    cpu_hours: float
+    gpu_hours: float
+
+    def line(self) -> str:
+        best = f"best {self.metric} {self.best:.4f} ({self.best_trial})" if self.best is not None else "no score yet"
+        minutes, seconds = divmod(int(self.elapsed_s), 60)
+        spent = f"{self.cpu_hours:.2f} CPU-h" + (f", {self.gpu_hours:.2f} GPU-h" if self.gpu_hours else "")
+        return (f"trials {self.done + self.stopped + self.failed}/{self.planned}: {self.done} done, "
+                f"{self.running} running, {self.stopped} stopped, {self.failed} failed | {best} | "
+                f"{minutes}m{seconds:02d}s, {spent}")
+
+
+class SweepConsole:
+    """Shows a sweep's progress as one line: redrawn in place on a terminal (at most once a
+    second), else a new line at most every ``every_s`` seconds, and always the final state.
+    A 200-trial sweep thus prints a few dozen lines to a pipe, not Tune's tables per step."""
+
+    def __init__(self, show: Callable[[str], None], tty: bool, every_s: float = 30.0) -> None:
+        self.show, self.tty = show, tty
+        self.every_s = 1.0 if tty else every_s
+        self._last = float("-inf")
+        self._width = 0
+
+    def __call__(self, progress: SweepProgress, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self._last < self.every_s:
+            return
+        self._last = now
+        line = progress.line()
+        if self.tty:
+            self.show("\r" + line.ljust(self._width) + ("\n" if final else ""))
+            self._width = len(line)
+        else:
+            self.show(line + "\n")
 
 
 def log_path_for(name: str, root: Path | None = None) -> Path:

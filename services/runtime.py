@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import threading
@@ -30,6 +31,7 @@ import ray.train  # noqa: E402
 import torch  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
+from ray.tune import Callback as TuneCallback  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict  # noqa: E402
@@ -37,6 +39,7 @@ from pipelines.gallery import GalleryEmbedder, GalleryItems, decode_batch, image
 from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
 from services.auth import use_credentials, worker_credentials  # noqa: E402
 from services.cluster import ClusterError, probe  # noqa: E402
+from services.console import SweepProgress  # noqa: E402
 from services.net import free_port  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
 from services.search_space import Dimension, SweepSpec, apply, num_samples  # noqa: E402
@@ -512,8 +515,75 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     mt.end_run(run_id, mlflow_uri, "FINISHED")
 
 
-def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_root: str) -> list[dict[str, Any]]:
-    """Run (or resume) a sweep; returns one dict per trial: id, params, metric, status."""
+# Sweep name -> the console's progress handler of the sweep running in this process. Tune
+# pickles its callbacks with the sweep's state (to restore it), so the callback finds its
+# handler here by name rather than holding it: a restored sweep reports to the new console.
+_PROGRESS_SINKS: dict[str, Callable[[SweepProgress, bool], None]] = {}
+
+
+class _SweepProgressCallback(TuneCallback):
+    """Hands :class:`SweepProgress` to the sweep's handler after every step of Tune's loop and
+    once at the end. ``cpus``/``gpus``: what one trial holds (its Train workers included), for
+    the compute spent: each trial's reported training time times that."""
+
+    def __init__(self, spec: SweepSpec, *, cpus: float, gpus: float) -> None:
+        self.sweep, self.metric, self.mode = spec.name(), spec.metric, spec.mode
+        self.epochs, self.planned = spec.base.train.epochs, num_samples(spec.samples, spec.search)
+        self.cpus, self.gpus = cpus, gpus
+        self.best: tuple[float, str] | None = None
+        self.started = time.monotonic()
+
+    def setup(self, **info: Any) -> None:
+        self.started = time.monotonic()  # this command's time, also on a resumed sweep
+
+    def _better(self, value: float) -> bool:
+        return self.best is None or (value > self.best[0] if self.mode == "max" else value < self.best[0])
+
+    def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict, **info: Any) -> None:
+        value = result.get(self.metric)
+        if value is not None and self._better(float(value)):
+            self.best = (float(value), trial.trial_id)
+
+    def progress(self, trials: list[Any]) -> SweepProgress:
+        count = dict.fromkeys(("done", "running", "pending", "stopped", "failed"), 0)
+        seconds = 0.0
+        for trial in trials:
+            last = trial.last_result or {}
+            seconds += float(last.get("time_total_s") or 0.0)
+            if last.get(self.metric) is not None and self._better(float(last[self.metric])):
+                self.best = (float(last[self.metric]), trial.trial_id)  # trials a resumed sweep finished before
+            if trial.status == "ERROR":
+                count["failed"] += 1
+            elif trial.status == "TERMINATED":
+                count["done" if (last.get("epoch") or 0) >= self.epochs else "stopped"] += 1
+            elif trial.status == "RUNNING":
+                count["running"] += 1
+            else:
+                count["pending"] += 1
+        return SweepProgress(planned=max(self.planned, len(trials)), metric=self.metric,
+                             best=self.best[0] if self.best else None, best_trial=self.best[1] if self.best else "",
+                             elapsed_s=time.monotonic() - self.started, cpu_hours=seconds * self.cpus / 3600,
+                             gpu_hours=seconds * self.gpus / 3600, **count)
+
+    def _send(self, trials: list[Any], final: bool) -> None:
+        sink = _PROGRESS_SINKS.get(self.sweep)
+        if sink is not None:
+            sink(self.progress(trials), final)
+
+    def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        self._send(trials, False)
+
+    def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
+        self._send(trials, True)
+
+
+def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_root: str,
+               on_progress: Callable[[SweepProgress, bool], None] | None = None,
+               ) -> tuple[list[dict[str, Any]], int | None]:
+    """Run (or resume) a sweep. Returns one dict per trial (id, params, metric, status), and how
+    many trials the Optuna searcher knew at the end (a warm start's earlier ones included; None
+    for other searches and for a resumed sweep, whose searcher Tune restores on its own).
+    ``on_progress``: called with the sweep's :class:`SweepProgress` as it goes (final: True at the end)."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -536,7 +606,11 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
         ),
         resources,
     )
+    workers = 1 if one_process else spec.base.scaling.num_workers
+    progress = _SweepProgressCallback(spec, cpus=workers * spec.base.scaling.cpus_per_worker,
+                                      gpus=workers if wants_gpu(spec.base) else 0)
     path = f"{storage}/{name}"
+    study_storage = None
     if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, storage_filesystem=filesystem)
     else:
@@ -548,10 +622,24 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
         search_alg = None
         limit: int | None = spec.max_concurrent
         points = [dict(p) for p in spec.points] or None
+        space = {d.key: _tune_domain(d) for d in spec.space}
         if spec.search == "optuna":
+            import optuna
             from ray.tune.search.optuna import OptunaSearch
 
-            search_alg = OptunaSearch(seed=spec.base.train.seed, points_to_evaluate=points)
+            # The searcher gets the space itself (not through the Tuner), so that the earlier
+            # trials of a warm start can be told to it before the first suggestion; its study
+            # lives in a storage this function keeps, to count what the searcher saw.
+            study_storage = optuna.storages.InMemoryStorage()
+            # A warm start draws its own random start-up points: with the earlier sweep's seed
+            # Optuna would suggest that sweep's first points again, whatever it was told.
+            seed = spec.base.train.seed if not spec.warm_start else int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+            search_alg = OptunaSearch(OptunaSearch.convert_search_space(space), metric=spec.metric, mode=spec.mode,
+                                      seed=seed, points_to_evaluate=points,
+                                      storage=study_storage, study_name=name)
+            for point, score in spec.evaluated:
+                search_alg.add_evaluated_point(point, score)
+            space = {}
         elif points:
             from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -559,7 +647,6 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             # a given one carries the limit itself.
             search_alg = BasicVariantGenerator(points_to_evaluate=points, max_concurrent=spec.max_concurrent)
             limit = None
-        space = {d.key: _tune_domain(d) for d in spec.space}
         tuner = tune.Tuner(
             trainable,
             param_space=space,
@@ -572,13 +659,18 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
                 trial_dirname_creator=functools.partial(_trial_dirname, sweep=name),
             ),
             run_config=tune.RunConfig(
-                name=name, storage_path=storage, storage_filesystem=filesystem, verbose=1,
+                name=name, storage_path=storage, storage_filesystem=filesystem, verbose=1, callbacks=[progress],
                 # A trial whose driver's node is lost starts again elsewhere; its TorchTrainer
                 # resumes from the trial's last checkpoint (same run name and storage).
                 failure_config=tune.FailureConfig(max_failures=spec.base.scaling.max_failures),
             ),
         )
-    grid = tuner.fit()
+    if on_progress is not None:
+        _PROGRESS_SINKS[name] = on_progress
+    try:
+        grid = tuner.fit()
+    finally:
+        _PROGRESS_SINKS.pop(name, None)
     trials = []
     for result in grid:
         metrics = result.metrics or {}
@@ -589,7 +681,11 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             "epochs": metrics.get("epoch"),
             "error": repr(result.error) if result.error else None,
         })
-    return trials
+    if study_storage is None:
+        return trials, None
+    import optuna
+
+    return trials, len(optuna.load_study(study_name=name, storage=study_storage).trials)
 
 
 # -- Ray Data: a gallery's embedding pass ------------------------------------------------------

@@ -40,6 +40,15 @@ class Dimension:
     kind: str
     values: tuple[Any, ...]
 
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` is a point of this dimension (an earlier sweep's value may not be)."""
+        if self.kind in ("choice", "grid"):
+            return value in self.values
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        low, high = self.values
+        return low <= value < high if self.kind == "randint" else low <= value <= high
+
 
 @dataclass
 class SweepSpec:
@@ -59,6 +68,10 @@ class SweepSpec:
     # Configs (dotted key -> value) run first, before any sampling: two sweeps given the same
     # points compare schedulers on identical trials (tests/benchmarks/bench_tune.py).
     points: tuple[dict[str, Any], ...] = ()
+    # A warm start: earlier trials (point, score) the searcher learns from without running
+    # them, and the sweep they came from.
+    evaluated: tuple[tuple[dict[str, Any], float], ...] = ()
+    warm_start: str = ""
 
     def name(self) -> str:
         """Deterministic sweep name: re-running the same command resumes the same sweep."""
@@ -72,6 +85,8 @@ class SweepSpec:
             fields["asha"] = [self.grace_period, self.reduction_factor]
         if self.points:
             fields["points"] = [sorted(p.items()) for p in self.points]
+        if self.warm_start:
+            fields["warm_start"] = self.warm_start
         blob = json.dumps(fields, sort_keys=True, default=str).encode()
         return f"sweep-{self.base.data.name}-{self.base.loss.name}-{hashlib.sha256(blob).hexdigest()[:8]}"
 
@@ -150,10 +165,13 @@ def load_sweep(
     base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
     max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
     grace_period: int | None = None, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
-    include_base: bool = False,
+    include_base: bool = False, evaluated: list[tuple[dict[str, Any], float]] | None = None,
+    warm_start: str = "",
 ) -> SweepSpec:
     """Build and check a sweep before anything starts. ``include_base``: the base config's own
     values of the searched keys (the recipe's, e.g. the paper's defaults) are the first trial.
+    ``evaluated``: sweep ``warm_start``'s scored trials, told to the searcher (those outside
+    this space are left out: the searcher cannot place them).
     ``grace_period`` None: the first epoch after the warm-up (``optim.warmup_epochs``)."""
     path = resolve_space_file(space)
     try:
@@ -231,6 +249,17 @@ def load_sweep(
             apply(base, point)
         except ConfigError as exc:
             raise ConfigError(f"preset point {i}: {exc}") from exc
+    told: list[tuple[dict[str, Any], float]] = []
+    if evaluated is not None:
+        if search != "optuna":
+            raise ConfigError(f"--warm-start needs --search optuna (a {search} search does not learn from "
+                              "earlier scores)")
+        told = [(dict(p), float(v)) for p, v in evaluated
+                if set(p) == keys and all(d.contains(p[d.key]) for d in dims) and math.isfinite(v)]
+        if not told:
+            raise ConfigError(f"--warm-start {warm_start}: none of its {len(evaluated)} scored trial(s) is a point "
+                              f"of this search space ({', '.join(sorted(keys))})")
     return SweepSpec(base, dims, samples, scheduler, search, max_concurrent, metric,
                      grace_period=grace_period, reduction_factor=reduction_factor,
-                     points=tuple(dict(p) for p in points))
+                     points=tuple(dict(p) for p in points), evaluated=tuple(told),
+                     warm_start=warm_start if evaluated is not None else "")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import Config
+from pipelines.config import Config, ConfigError
+from services.console import SweepProgress
 from services.search_space import SEARCH_DIR, SweepSpec, apply, load_sweep, resolve_space_file
 
 # SEARCH_DIR and load_sweep stay importable from here for callers of ``services.sweep``.
@@ -43,6 +45,8 @@ def open_parent_run(spec: SweepSpec, uri: str, space_file: Path) -> tuple[str, b
     params = [Param("sweep.samples", str(spec.samples)), Param("sweep.scheduler", spec.scheduler),
               Param("sweep.search", spec.search), Param("sweep.max_concurrent", str(spec.max_concurrent))]
     params += [Param(f"space.{d.key}", f"{d.kind}{list(d.values)}") for d in spec.space]
+    if spec.warm_start:
+        params += [Param("sweep.warm_start", spec.warm_start), Param("sweep.warm_start_points", str(len(spec.evaluated)))]
     client.log_batch(run.info.run_id, params=params)
     client.log_artifact(run.info.run_id, str(space_file), "sweep")
     return run.info.run_id, False
@@ -74,11 +78,15 @@ def close_trial_runs(spec: SweepSpec, uri: str, parent_id: str, trials: list[dic
         client.set_terminated(child.info.run_id, status=status)
 
 
-def finish_parent_run(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]]) -> Config | None:
-    """Log the best config and the sweep report on the parent; returns the best config."""
+def finish_parent_run(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]],
+                      searcher_trials: int | None = None) -> Config | None:
+    """Log the best config and the sweep report on the parent; returns the best config.
+    ``searcher_trials``: the trials the searcher knew at the end (tag ``searcher_trials``)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
+    if searcher_trials is not None:
+        client.set_tag(parent_id, "searcher_trials", str(searcher_trials))
     scored = [t for t in trials if t.get("metric") is not None and math.isfinite(t["metric"])]
     best_cfg = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,10 +158,12 @@ def write_sweep_plots(spec: SweepSpec, trials: list[dict[str, Any]], folder: Pat
     return out
 
 
-def best_config(name: str, uri: str) -> str:
-    """The best trial's config of sweep ``name`` as YAML (from its parent run)."""
+def _sweep_file(name: str, uri: str, path: str, missing: str) -> tuple[str, dict[str, str]]:
+    """A file of sweep ``name``'s report (``sweep/...`` on its parent run) and the parent's tags."""
     from mlflow.tracking import MlflowClient
 
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise FileNotFoundError(f"no sweep named {name!r} in {uri}")  # (and no empty store made by asking)
     client = MlflowClient(uri)
     exp_ids = [e.experiment_id for e in client.search_experiments()]
     found = client.search_runs(exp_ids, filter_string=f"tags.sweep_name = '{name}' and tags.kind = 'sweep'", max_results=1)
@@ -161,10 +171,26 @@ def best_config(name: str, uri: str) -> str:
         raise FileNotFoundError(f"no sweep named {name!r} in {uri}")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            path = client.download_artifacts(found[0].info.run_id, "sweep/best_config.yaml", tmp)
+            local = client.download_artifacts(found[0].info.run_id, path, tmp)
         except Exception as exc:
-            raise FileNotFoundError(f"sweep {name!r} has no best config yet (no finished trial)") from exc
-        return Path(path).read_text()
+            raise FileNotFoundError(f"sweep {name!r} {missing}") from exc
+        return Path(local).read_text(), found[0].data.tags
+
+
+def best_config(name: str, uri: str) -> str:
+    """The best trial's config of sweep ``name`` as YAML (from its parent run)."""
+    return _sweep_file(name, uri, "sweep/best_config.yaml", "has no best config yet (no finished trial)")[0]
+
+
+def scored_trials(name: str, uri: str, metric: str) -> list[tuple[dict[str, Any], float]]:
+    """Sweep ``name``'s scored trials as (point, score), best first; a :class:`ConfigError` when
+    it was scored on another metric than ``metric``."""
+    text, tags = _sweep_file(name, uri, "sweep/trials.json", "has no trials report yet (it never finished)")
+    if tags.get("metric", metric) != metric:
+        raise ConfigError(f"sweep {name!r} was scored on {tags['metric']}, this sweep on {metric} (--metric)")
+    trials = [(t["params"], float(t["metric"])) for t in json.loads(text)
+              if t.get("metric") is not None and math.isfinite(float(t["metric"]))]
+    return sorted(trials, key=lambda pv: -pv[1])  # retrieval metrics: higher is better (SweepSpec.mode)
 
 
 @dataclass
@@ -180,9 +206,14 @@ def run_sweep(
     base: Config, space: str | Path, *, samples: int = 8, scheduler: str = "asha", search: str = "optuna",
     max_concurrent: int | None = None, metric: str = "map_at_r", address: str | None = None,
     grace_period: int | None = None, reduction_factor: int = 2, points: list[dict[str, Any]] | None = None,
-    include_base: bool = False,
+    include_base: bool = False, on_progress: Callable[[SweepProgress, bool], None] | None = None,
+    warm_start: str | None = None, start_from_best: bool = False,
 ) -> SweepOutcome:
-    """Validate, open (or reopen) the parent run, run the Tuner, log the report."""
+    """Validate, open (or reopen) the parent run, run the Tuner, log the report. ``on_progress``:
+    called with the sweep's :class:`~services.console.SweepProgress` as it goes (True: the end).
+
+    ``warm_start``: an earlier sweep (same tracking server) whose scored trials the searcher is
+    told before it suggests anything; ``start_from_best``: its best point is the first trial."""
     # Imported here for start-up time: Ray (runtime, training) takes seconds to import, and
     # ``tune best`` and ``retrain --from-sweep`` only read MLflow through this module.
     from services import mlflow_tracking as mt
@@ -191,12 +222,23 @@ def run_sweep(
     from services.training import preflight, resolve_for_workers
 
     base = resolve_for_workers(base, sweep=True)
+    if start_from_best and not warm_start:
+        raise ConfigError("--start-from-best needs --warm-start SWEEP (the sweep whose best point starts)")
+    evaluated = None
+    if warm_start:
+        try:
+            evaluated = scored_trials(warm_start, mt.resolve_tracking_uri(base.tracking.tracking_uri), metric)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"--warm-start: {exc}") from exc
+        if start_from_best and evaluated:
+            points = [evaluated[0][0], *(points or [])]
     preflight(base)
     space_file = resolve_space_file(space)
     # Schema and domain errors first, before a cluster is even started.
     load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                max_concurrent=None, cluster_cpus=math.inf, metric=metric, grace_period=grace_period,
-               reduction_factor=reduction_factor, points=points, include_base=include_base)
+               reduction_factor=reduction_factor, points=points, include_base=include_base,
+               evaluated=evaluated, warm_start=warm_start or "")
     mt.check_can_log(base, mt.resolve_tracking_uri(base.tracking.tracking_uri))  # before Ray: a refused login
     runtime.ensure_ray(address)
     uri = mt.resolve_tracking_uri(base.tracking.tracking_uri)
@@ -205,14 +247,15 @@ def run_sweep(
     spec = load_sweep(base, space_file, samples=samples, scheduler=scheduler, search=search,
                       max_concurrent=max_concurrent, cluster_cpus=runtime.cluster_cpus(), metric=metric,
                       grace_period=grace_period, reduction_factor=reduction_factor, points=points,
-                      include_base=include_base)
+                      include_base=include_base, evaluated=evaluated, warm_start=warm_start or "")
     parent_id, resumed = open_parent_run(spec, uri, space_file)
     status = "FAILED"
     try:
-        trials = runtime.tune_sweep(spec, parent_run_id=parent_id, mlflow_uri=uri,
-                                    storage_root=base.tracking.storage_path or "runs")
+        trials, searcher_trials = runtime.tune_sweep(spec, parent_run_id=parent_id, mlflow_uri=uri,
+                                                     storage_root=base.tracking.storage_path or "runs",
+                                                     on_progress=on_progress)
         close_trial_runs(spec, uri, parent_id, trials)
-        best = finish_parent_run(spec, uri, parent_id, trials)
+        best = finish_parent_run(spec, uri, parent_id, trials, searcher_trials)
         status = "FINISHED"
         return SweepOutcome(spec.name(), parent_id, trials, best, resumed)
     finally:

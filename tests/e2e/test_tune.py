@@ -1,6 +1,6 @@
 """Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials (Ray Train) nested in MLflow;
 a resumable sweep of one-worker trials (trained in the trial's own process) whose trials score
-what `proxydml train` scores with the same config."""
+what `proxydml train` scores with the same config, its one-line console, and a warm start from it."""
 
 from __future__ import annotations
 
@@ -100,6 +100,13 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "(resumed)" in second.stdout
+    # The console (a pipe): a progress line at most every 30 s and the ranked table; Tune's
+    # status tables and the trials' output in the log file only.
+    shown = second.stdout.splitlines()
+    assert len(shown) < 20 and "Trial status" not in second.stdout and "╭" not in second.stdout, second.stdout
+    progress = [line for line in shown if line.startswith("trials ")]
+    assert progress[-1].startswith("trials 3/3: 3 done, 0 running, 0 stopped, 0 failed | best map_at_r 0."), shown
+    assert "Trial status" in (tmp_path / ".proxydml" / "logs" / "tune-digits_quick.log").read_text()
 
     children = _children(client, parent_id)
     trial_ids = [c.data.tags["trial_id"] for c in children]
@@ -125,3 +132,17 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
                                               f"tracking.storage_path={tmp_path / 'train'}"]), log_model=False)
     for key in ("loss", "map_at_r", "recall_at_1"):
         assert trained.metrics[key] == winner.data.metrics[key], key
+
+    # A warm start from this sweep: Optuna is told its 3 scored trials, and its best point runs first.
+    earlier = client.get_run(parent_id).data.tags["sweep_name"]
+    base = load_config("digits", ["train.epochs=1", "train.max_steps_per_epoch=3", "scaling.num_workers=1",
+                                  f"tracking.tracking_uri={local_mlflow}", f"tracking.storage_path={tmp_path / 'runs'}"])
+    warm = sweep.run_sweep(base, "digits_quick", samples=2, scheduler="none", search="optuna", max_concurrent=1,
+                           warm_start=earlier, start_from_best=True)
+    parent = client.get_run(warm.parent_run_id)
+    assert parent.data.params["sweep.warm_start"] == earlier and parent.data.params["sweep.warm_start_points"] == "3"
+    assert parent.data.tags["searcher_trials"] == "5"  # the searcher's study: 3 told + 2 run
+    first = min(_children(client, warm.parent_run_id), key=lambda r: r.info.start_time)
+    for key in ("optim.lr", "loss.alpha"):
+        assert float(first.data.params[key]) == pytest.approx(float(winner.data.params[key]), rel=1e-6), key
+    assert first.data.metrics["map_at_r"] == winner.data.metrics["map_at_r"]  # the same point, trained again

@@ -1,4 +1,5 @@
-"""The console filter: library chatter to the log file only, everything else through."""
+"""The console filter: library chatter to the log file only, everything else through; a sweep's
+one progress line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from services.console import _Tee, is_chatter, run_console
+from services.console import SweepConsole, SweepProgress, _Tee, is_chatter, log_only, run_console
 
 CHATTER_LINES = [
     "\x1b[36m(RayTrainWorker pid=10670)\x1b[0m Loading faiss with AVX512 support.",
@@ -79,3 +80,52 @@ def test_run_console_routes_prints_and_logging_and_discards_a_new_log_on_user_er
         assert not (tmp_path / "new").exists()  # nor the folders made for it
     finally:
         lg.removeHandler(handler)
+
+
+def test_log_only_mutes_everything_but_show_and_logs_it_all(tmp_path, capsys):
+    with run_console(tmp_path / "sweep.log") as path:
+        print("before")
+        with log_only() as show:
+            print("Trial status: 2 RUNNING")  # Tune's table: the log only
+            print("(RayTrainWorker pid=1) epoch 1/1", file=sys.stderr)
+            show("trials 1/2: 1 done\n")
+        print("after")
+    out = capsys.readouterr()
+    assert out.out == "before\ntrials 1/2: 1 done\nafter\n" and out.err == ""
+    assert all(s in path.read_text() for s in ("Trial status", "epoch 1/1", "trials 1/2", "after"))
+
+
+def _progress(done: int, elapsed: float, best: float | None = 0.41234) -> SweepProgress:
+    return SweepProgress(planned=200, done=done, running=4, pending=180 - done, stopped=12, failed=1,
+                         metric="map_at_r", best=best, best_trial="a1b2_00007", elapsed_s=elapsed,
+                         cpu_hours=1.5, gpu_hours=0.0)
+
+
+def test_sweep_progress_line_counts_trials_best_time_and_compute():
+    assert _progress(3, 754.2).line() == ("trials 16/200: 3 done, 4 running, 12 stopped, 1 failed | "
+                                          "best map_at_r 0.4123 (a1b2_00007) | 12m34s, 1.50 CPU-h")
+    assert "no score yet" in _progress(0, 1, best=None).line()
+    gpu = SweepProgress(1, 1, 0, 0, 0, 0, "recall_at_1", 0.9, "t", 61, 2.0, 0.5)
+    assert gpu.line().endswith("1m01s, 2.00 CPU-h, 0.50 GPU-h")
+
+
+def test_sweep_console_in_a_pipe_prints_a_line_at_most_every_period_and_the_last(monkeypatch):
+    clock = iter([0.0, 10.0, 31.0, 32.0, 33.0])
+    monkeypatch.setattr("services.console.time.monotonic", lambda: next(clock))
+    shown: list[str] = []
+    console = SweepConsole(shown.append, tty=False, every_s=30)
+    for done in range(4):
+        console(_progress(done, done))
+    console(_progress(9, 9), final=True)
+    assert [line.split(":")[0] for line in shown] == ["trials 13/200", "trials 15/200", "trials 22/200"]
+    assert all(line.endswith("\n") for line in shown)
+
+
+def test_sweep_console_on_a_terminal_redraws_one_line():
+    shown: list[str] = []
+    console = SweepConsole(shown.append, tty=True)
+    console(_progress(10, 1))
+    console(_progress(11, 2))  # within the second: skipped
+    console(_progress(12, 3), final=True)
+    assert len(shown) == 2 and all(s.startswith("\r") for s in shown) and shown[-1].endswith("\n")
+    assert "\n" not in shown[0]

@@ -108,6 +108,36 @@ def test_cli_include_base_reaches_the_sweep(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err.count("stopped before any trial") == 2
 
 
+def test_warm_start_tells_the_searcher_the_earlier_points_that_fit_this_space(tmp_path, capsys):
+    from services import cli
+
+    base = load_config("digits")
+    ok = dict(samples=2, scheduler="none", max_concurrent=None, cluster_cpus=4, warm_start="sweep-earlier")
+    earlier = [({"optim.lr": 1e-3, "loss.alpha": 32.0}, 0.41),
+               ({"optim.lr": 1e-2, "loss.alpha": 32.0}, 0.30),  # lr outside this space's [3e-4, 3e-3]
+               ({"optim.lr": 1e-3}, 0.35),  # searched fewer keys
+               ({"optim.lr": 2e-3, "loss.alpha": 16.0}, float("nan"))]
+    spec = sweep.load_sweep(base, "digits_quick", search="optuna", evaluated=earlier, **ok)
+    assert spec.evaluated == (({"optim.lr": 1e-3, "loss.alpha": 32.0}, 0.41),) and spec.points == ()
+    cold = sweep.load_sweep(base, "digits_quick", search="optuna", **{**ok, "warm_start": ""})
+    assert cold.evaluated == () and cold.name() != spec.name()  # a new sweep, not a resume of the cold one
+    with pytest.raises(ConfigError, match="--warm-start needs --search optuna"):
+        sweep.load_sweep(base, "digits_quick", search="random", evaluated=earlier, **ok)
+    with pytest.raises(ConfigError, match=r"--warm-start sweep-earlier: none of its 2 scored trial\(s\) is a point "
+                                          r"of this search space \(loss.alpha, optim.lr\)"):
+        sweep.load_sweep(base, "digits_quick", search="optuna", evaluated=earlier[1:3], **ok)
+    # the CLI: one line and exit 2 before anything starts
+    argv = ["tune", "--space", "digits_quick", "--samples", "2", f"tracking.storage_path={tmp_path / 'runs'}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    capsys.readouterr()
+    assert cli.main([*argv, "--start-from-best"]) == 2
+    assert cli.main([*argv, "--warm-start", "sweep-nowhere"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: --start-from-best needs --warm-start SWEEP (the sweep whose best point starts)",
+                   f"error: --warm-start: no sweep named 'sweep-nowhere' in sqlite:///{tmp_path / 'mlflow.db'}"]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing half-written
+
+
 def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refused(tmp_path):
     base = load_config("emoji_proxy_anchor")  # 1 warm-up epoch (head and proxies only), 5 epochs
     space = tmp_path / "anchor_and_lr.yaml"
