@@ -52,6 +52,12 @@ def build_loss_module(
     return build_loss(spec, num_classes, cfg.model.embedding_dim, generator=generator, shard=shard)
 
 
+def group_learning_rates(cfg: Config) -> dict[str, float]:
+    """The base learning rate of each optimiser group: proxies at ``proxy_lr_multiplier`` x lr."""
+    o = cfg.optim
+    return {"backbone": o.lr, "head": o.lr, "proxies": o.lr * o.proxy_lr_multiplier}
+
+
 def build_optimizer(cfg: Config, model: EmbeddingModel, loss_fn: nn.Module) -> torch.optim.Optimizer:
     """Three groups: backbone, head (+norm), proxies at ``proxy_lr_multiplier`` x lr.
 
@@ -59,13 +65,14 @@ def build_optimizer(cfg: Config, model: EmbeddingModel, loss_fn: nn.Module) -> t
     and their optimiser state (Adam moments) is local too.
     """
     o = cfg.optim
+    lrs = group_learning_rates(cfg)
     groups = [
-        {"params": [p for p in model.backbone.parameters() if p.requires_grad], "name": "backbone"},
-        {"params": list(model.head.parameters()), "name": "head"},
+        {"params": [p for p in model.backbone.parameters() if p.requires_grad], "name": "backbone", "lr": lrs["backbone"]},
+        {"params": list(model.head.parameters()), "name": "head", "lr": lrs["head"]},
         {
             "params": [p for p in loss_fn.parameters() if p.requires_grad],
             "name": "proxies",
-            "lr": o.lr * o.proxy_lr_multiplier,
+            "lr": lrs["proxies"],
             "weight_decay": o.proxy_weight_decay,
         },
     ]
@@ -82,6 +89,25 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.opti
     if o.scheduler == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=o.step_size, gamma=o.gamma)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def retarget_learning_rates(cfg: Config, optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LRScheduler) -> list[str]:
+    """After loading a checkpoint trained with other learning rates (a population-based
+    training exploit: this trial goes on from another's weights with its own perturbed
+    ``optim.lr`` / ``optim.proxy_lr_multiplier``), move each group to ``cfg``'s base rate at
+    the same point of its schedule. Groups whose base rate is unchanged are left bit for bit
+    as loaded (a plain resume). Returns the names of the groups moved."""
+    moved, bases = [], list(scheduler.base_lrs)  # a new list: a loaded state may share the old one
+    for i, (group, new) in enumerate(zip(optimizer.param_groups, group_learning_rates(cfg).values(), strict=True)):
+        old = bases[i]
+        if new == old:
+            continue
+        group["lr"] = new * (group["lr"] / old) if old else new
+        group["initial_lr"] = bases[i] = new
+        moved.append(group["name"])
+    scheduler.base_lrs = bases
+    return moved
 
 
 def set_loss_epoch(loss_fn: nn.Module, epoch: int, cfg: Config) -> None:
@@ -226,6 +252,9 @@ def _resume(s: Session, reporter: Reporter, tracker: Tracker) -> None:
     with reporter.latest_checkpoint() as ckpt:
         if ckpt is not None:
             state = load_checkpoint(Path(ckpt), s.model, s.loss_fn, s.optimizer, s.scheduler, s.generator)
+            moved = retarget_learning_rates(s.cfg, s.optimizer, s.scheduler)
+            if moved:
+                D.print0(f"learning rates of {', '.join(moved)} set to this config's (the checkpoint had others)")
             s.start_epoch, s.history = state["epoch"], state.get("history", [])
             s.resumes = state.get("resumes", 0) + 1  # restarts after failures count here too
             previous_world = state.get("world_size")
@@ -359,11 +388,14 @@ def _dashboard(s: Session, tracker: Tracker) -> None:
 
 
 def run(
-    cfg: Config, reporter: Reporter, tracker: Tracker | None = None, extra_state: dict[str, Any] | None = None
+    cfg: Config, reporter: Reporter, tracker: Tracker | None = None, extra_state: dict[str, Any] | None = None,
+    dashboard: bool = True,
 ) -> dict[str, float]:
     """Train ``cfg`` on this worker. Returns the last epoch's metrics (rank 0; {} elsewhere).
 
     ``extra_state`` (e.g. the MLflow run id) is stored in every checkpoint's trainer_state.json.
+    ``dashboard``: write the run's plots at the end (a sweep's trials do without: the plots
+    took 2.2 s of an emoji trial's 7.8 s of fixed cost, and the sweep has its own page).
     """
     tracker = tracker if (tracker is not None and D.rank() == 0) else NullTracker()
     s = _build(cfg)
@@ -379,7 +411,8 @@ def run(
                    "epoch_time_s": train_time, **evaluated}
         _record_epoch(s, epoch, metrics, tracker)
         _checkpoint(s, epoch, metrics, reporter, extra_state)
-    _dashboard(s, tracker)
+    if dashboard:
+        _dashboard(s, tracker)
     return metrics if D.rank() == 0 else {}
 
 

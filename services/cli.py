@@ -473,7 +473,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     tu.add_argument("--config", default=None, help="recipe name or YAML path")
     tu.add_argument("--space", required=True, help="search-space YAML (or a name under configs/search)")
     tu.add_argument("--samples", type=int, default=8, help="number of trials (default 8)")
-    tu.add_argument("--scheduler", default="asha", help="asha | none (default asha)")
+    tu.add_argument("--scheduler", default="asha",
+                    help="asha | pbt (population-based training of one-worker trials) | none (default asha)")
     tu.add_argument("--search", default="optuna", help="optuna | random | grid (default optuna)")
     tu.add_argument("--max-concurrent", type=int, default=None, help="default: what the cluster holds")
     tu.add_argument("--metric", default="map_at_r", help="metric to maximise (default map_at_r)")

@@ -11,6 +11,7 @@ retried as an outage.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import random
@@ -202,6 +203,20 @@ def end_run(run_id: str, uri: str, status: str, attempts: int = 30) -> None:
     not an outage: it raises :class:`services.auth.AuthError` at once)."""
     with auth.guard(uri, auth.Need("EDIT", f"run {run_id}", "close it")):
         call_with_retries(lambda: MlflowClient(uri).set_terminated(run_id, status=status), attempts=attempts)
+
+
+def record_exploit(run_id: str, uri: str, record: dict[str, Any]) -> int:
+    """Add one population-based-training exploit to a trial's run: tag ``pbt.exploit.N`` (JSON:
+    the trial cloned, the epoch, the new and the cloned values), ``pbt.exploits`` = N and
+    ``pbt.cloned_from``. Returns N."""
+    client = MlflowClient(uri)
+    with auth.guard(uri, auth.Need("EDIT", f"run {run_id}", "record a PBT exploit")):
+        tags = call_with_retries(lambda: client.get_run(run_id)).data.tags
+        n = int(tags.get("pbt.exploits", "0")) + 1
+        call_with_retries(lambda: client.log_batch(run_id, tags=[
+            RunTag(f"pbt.exploit.{n}", json.dumps(record, sort_keys=True, default=str)),
+            RunTag("pbt.exploits", str(n)), RunTag("pbt.cloned_from", str(record["from_trial"]))]))
+    return n
 
 
 def log_pytorch_model(run_id: str, uri: str, checkpoint: Path) -> None:

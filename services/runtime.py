@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from ray.tune import Callback as TuneCallback  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
-from pipelines.config import Config, from_dict  # noqa: E402
+from pipelines.config import Config, from_dict, load_yaml  # noqa: E402
 from pipelines.gallery import GalleryEmbedder, GalleryItems, decode_batch, image_channels  # noqa: E402
 from pipelines.tracking import NullProgress, NullTracker, Progress  # noqa: E402
 from services.auth import use_credentials, worker_credentials  # noqa: E402
@@ -42,7 +43,7 @@ from services.cluster import ClusterError, probe  # noqa: E402
 from services.console import SweepProgress  # noqa: E402
 from services.net import free_port  # noqa: E402
 from services.s3 import endpoint_from_env, ray_storage, retrying_s3_filesystem  # noqa: E402
-from services.search_space import Dimension, SweepSpec, apply, num_samples  # noqa: E402
+from services.search_space import Dimension, SweepSpec, apply, in_process_trials, num_samples  # noqa: E402
 
 # services.mlflow_tracking (MLflow, ~1.4 s to import) is imported inside the functions that
 # log: every Ray Train worker imports this module, and only rank 0 logs to MLflow.
@@ -304,16 +305,17 @@ def _quiet_worker_logs() -> None:
 
 
 def _train_tracked(cfg: Config, reporter: Any, run_id: str | None, uri: str | None, *,
-                   flush_timeout_s: float = 600.0) -> dict[str, float]:
+                   flush_timeout_s: float = 600.0, dashboard: bool = True) -> dict[str, float]:
     """The pipeline's run in this process, recorded to MLflow run ``run_id`` when given (the
-    rank-0 worker of a Ray Train run, or a one-worker trial's own process)."""
+    rank-0 worker of a Ray Train run, or a one-worker trial's own process). ``dashboard``:
+    the run's plots at the end (not for a sweep's trials)."""
     from services.snapshots import install_data_resolver
 
     install_data_resolver()  # data.root=s3://...: read from this node's cache, filled once per node
     # Threads = the CPUs Ray reserved for this worker (the driver made an automatic value concrete).
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
     if not run_id:
-        return train_pipeline.run(cfg, reporter, NullTracker())
+        return train_pipeline.run(cfg, reporter, NullTracker(), dashboard=dashboard)
     from services.mlflow_tracking import MlflowTracker
 
     # In this worker process only: one quick HTTP attempt per call, so the tracker's own
@@ -324,7 +326,7 @@ def _train_tracked(cfg: Config, reporter: Any, run_id: str | None, uri: str | No
     monitor = _system_metrics(run_id, uri)
     try:
         # The run id travels in every checkpoint: a restarted worker continues the same run.
-        return train_pipeline.run(cfg, reporter, tracker, extra_state={"mlflow_run_id": run_id})
+        return train_pipeline.run(cfg, reporter, tracker, extra_state={"mlflow_run_id": run_id}, dashboard=dashboard)
     finally:
         if monitor is not None:
             monitor.finish()
@@ -340,7 +342,8 @@ def _train_loop(loop_config: dict[str, Any]) -> None:
                            show_progress=loop_config.get("show_progress", False))
     rank0 = ray.train.get_context().get_world_rank() == 0
     _train_tracked(cfg, reporter, loop_config.get("mlflow_run_id") if rank0 else None,
-                   loop_config.get("mlflow_uri"), flush_timeout_s=loop_config.get("flush_timeout_s", 600))
+                   loop_config.get("mlflow_uri"), flush_timeout_s=loop_config.get("flush_timeout_s", 600),
+                   dashboard=loop_config.get("dashboard", True))
 
 
 def storage(cfg: Config) -> tuple[str, Any]:
@@ -392,8 +395,9 @@ def _loop_with_login(mlflow_uri: str | None) -> Callable[[dict[str, Any]], None]
 
 
 def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None = None,
-        callbacks: list[Any] | None = None, show_progress: bool = False) -> ray.train.Result:
-    """Run (or resume, when a run of the same name exists in storage) one training run."""
+        callbacks: list[Any] | None = None, show_progress: bool = False, dashboard: bool = True) -> ray.train.Result:
+    """Run (or resume, when a run of the same name exists in storage) one training run;
+    ``dashboard``: its plots at the end (not for a sweep's trials)."""
     # Callers pass a config made concrete by training.resolve_for_workers; this covers direct use.
     cfg = dataclasses.replace(cfg, scaling=cfg.scaling.resolved(os.cpu_count() or 1))
     path, filesystem = storage(cfg)
@@ -404,7 +408,8 @@ def fit(cfg: Config, *, mlflow_run_id: str | None = None, mlflow_uri: str | None
     trainer = TorchTrainer(
         _loop_with_login(mlflow_uri) if mlflow_run_id else _train_loop,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": mlflow_run_id, "mlflow_uri": mlflow_uri,
-                           "upload_retry_s": upload_retry_budget(), "show_progress": show_progress},
+                           "upload_retry_s": upload_retry_budget(), "show_progress": show_progress,
+                           "dashboard": dashboard},
         scaling_config=ray.train.ScalingConfig(
             # MIN-MAX: Ray's elastic worker group; after a lost node it restarts from the last
             # checkpoint on the workers the cluster still holds (the proxies are resharded).
@@ -467,11 +472,35 @@ class TuneReporter:
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None)
 
 
-def in_process_trials(base: Config) -> bool:
-    """One-worker trials train in the Tune trial's own (reused) process: no Train controller,
-    no worker group and no second import of torch per trial, which were most of a short
-    trial's time. Multi-worker and elastic trials keep Ray Train (DDP, the sharded proxies)."""
-    return not base.scaling.elastic and base.scaling.num_workers == 1
+def _within_space(config: dict[str, Any], dims: tuple[Dimension, ...]) -> dict[str, Any]:
+    """PBT's explore step multiplies a value by 0.8 or 1.2: keep it inside its dimension."""
+    for d in dims:
+        if d.kind in ("loguniform", "uniform") and d.key in config:
+            config[d.key] = min(max(config[d.key], d.values[0]), d.values[1])
+    return config
+
+
+def _record_exploit(params: dict[str, Any], cfg: Config, run_id: str, mlflow_uri: str, sweep: str) -> None:
+    """When PBT restarts this trial from another trial's checkpoint (an exploit), record on its
+    MLflow run which trial it cloned, at which epoch, and the values it goes on with (tags
+    ``pbt.exploit.N``, ``pbt.exploits``, ``pbt.cloned_from``). A trial's own checkpoint (a
+    restart, a resumed sweep) is not an exploit."""
+    from ray import tune
+
+    from services import mlflow_tracking as mt
+
+    with _as_folder(tune.get_checkpoint()) as folder:
+        if folder is None:
+            return
+        donor = from_dict(load_yaml(folder / "config.yaml"))
+        if donor.tracking.run_name == cfg.tracking.run_name:
+            return
+        epoch = json.loads((folder / "trainer_state.json").read_text())["epoch"]
+    was = donor.flat()
+    mt.record_exploit(run_id, mlflow_uri, {
+        "from_trial": donor.tracking.run_name.removeprefix(f"{sweep}-"), "epoch": epoch,
+        "values": dict(params), "donor_values": {k: was.get(k) for k in params},
+    })
 
 
 def _trial_dirname(trial: Any, sweep: str) -> str:
@@ -502,11 +531,13 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     })
     if in_process:
         _quiet_worker_logs()
-        _train_tracked(cfg, TuneReporter(), run_id, mlflow_uri)
+        _record_exploit(params, cfg, run_id, mlflow_uri, sweep)
+        _train_tracked(cfg, TuneReporter(), run_id, mlflow_uri, dashboard=False)
     else:
         from ray.tune.integration.ray_train import TuneReportCallback
 
-        result = fit(cfg, mlflow_run_id=run_id, mlflow_uri=mlflow_uri, callbacks=[TuneReportCallback()])
+        result = fit(cfg, mlflow_run_id=run_id, mlflow_uri=mlflow_uri, callbacks=[TuneReportCallback()],
+                     dashboard=False)
         if result.error is not None:
             raise result.error
     # Only success is recorded here. A stopped (ASHA, max_t) or failed trial gets its status from
@@ -614,11 +645,22 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, storage_filesystem=filesystem)
     else:
-        scheduler = (
-            ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=spec.grace_period,
-                          reduction_factor=spec.reduction_factor)
-            if spec.scheduler == "asha" else FIFOScheduler()
-        )
+        if spec.scheduler == "asha":
+            scheduler = ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=spec.grace_period,
+                                      reduction_factor=spec.reduction_factor)
+        elif spec.scheduler == "pbt":
+            from ray.tune.schedulers import PopulationBasedTraining
+
+            # Every epoch ends in a checkpoint, so every epoch is a chance to exploit. Synchronous:
+            # the whole population reaches the epoch before the bottom quarter clones the top
+            # quarter, so what is cloned does not depend on which trial happened to report first.
+            scheduler = PopulationBasedTraining(
+                time_attr="epoch", perturbation_interval=1, synch=True, quantile_fraction=0.25,
+                hyperparam_mutations={d.key: _tune_domain(d) for d in spec.space},
+                custom_explore_fn=functools.partial(_within_space, dims=tuple(spec.space)),
+            )
+        else:
+            scheduler = FIFOScheduler()
         search_alg = None
         limit: int | None = spec.max_concurrent
         points = [dict(p) for p in spec.points] or None
@@ -663,6 +705,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
                 # A trial whose driver's node is lost starts again elsewhere; its TorchTrainer
                 # resumes from the trial's last checkpoint (same run name and storage).
                 failure_config=tune.FailureConfig(max_failures=spec.base.scaling.max_failures),
+                # PBT would also exploit at the last epoch: the trial would end holding the
+                # clone's weights under its own last score. Stopped there, it never is.
+                stop={"epoch": spec.base.train.epochs} if spec.scheduler == "pbt" else None,
             ),
         )
     if on_progress is not None:

@@ -161,6 +161,38 @@ def parse_space(raw: Any, base: Config, source: str = "space") -> list[Dimension
     return dims
 
 
+SCHEDULERS = ("asha", "pbt", "none")
+
+
+def in_process_trials(base: Config) -> bool:
+    """One-worker trials train in the Tune trial's own (reused) process: no Train controller,
+    no worker group and no second import of torch per trial, which were most of a short
+    trial's time. Multi-worker and elastic trials keep Ray Train (DDP, the sharded proxies)."""
+    return not base.scaling.elastic and base.scaling.num_workers == 1
+
+
+def pbt_keys(base: Config) -> list[str]:
+    """What population-based training may change in the middle of a run: the learning rates
+    and the loss's real-valued hyper-parameters (temperature, margin, scale, ...). The rest
+    (model, data, the loss itself, a memory's size) shapes the checkpoint another trial clones."""
+    loss = [f"loss.{k}" for k, v in loss_parameters(base.loss.name).items() if isinstance(v, float)]
+    return ["optim.lr", "optim.proxy_lr_multiplier", *loss]
+
+
+def _check_pbt(base: Config, dims: list[Dimension], search: str) -> None:
+    if search != "random":
+        raise ConfigError("--scheduler pbt needs --search random: PBT explores by perturbing its population, "
+                          "not through a searcher")
+    if not in_process_trials(base):
+        raise ConfigError("--scheduler pbt needs one-worker trials (scaling.num_workers=1, not elastic): an "
+                          "exploit clones another trial's Tune checkpoint, which a Ray Train trial does not read")
+    allowed = pbt_keys(base)
+    fixed = [d.key for d in dims if d.key not in allowed or d.kind == "grid"]
+    if fixed:
+        raise ConfigError(f"--scheduler pbt: {', '.join(fixed)} cannot change in the middle of a run; PBT "
+                          f"perturbs {', '.join(allowed)} (as loguniform, uniform or choice)")
+
+
 def load_sweep(
     base: Config, space: str | Path, *, samples: int, scheduler: str, search: str,
     max_concurrent: int | None, cluster_cpus: float, metric: str = "map_at_r",
@@ -181,8 +213,10 @@ def load_sweep(
     dims = parse_space(raw, base, source=str(path.name))
     if samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {samples}")
-    if scheduler not in ("asha", "none"):
-        raise ConfigError(f"--scheduler must be asha or none, got {scheduler!r}")
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(f"--scheduler must be {', '.join(SCHEDULERS[:-1])} or {SCHEDULERS[-1]}, got {scheduler!r}")
+    if scheduler == "pbt":
+        _check_pbt(base, dims, search)
     if search not in ("optuna", "random", "grid"):
         raise ConfigError(f"--search must be optuna, random or grid, got {search!r}")
     has_grid = any(d.kind == "grid" for d in dims)

@@ -1,9 +1,11 @@
 """Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials (Ray Train) nested in MLflow;
 a resumable sweep of one-worker trials (trained in the trial's own process) whose trials score
-what `proxydml train` scores with the same config, its one-line console, and a warm start from it."""
+what `proxydml train` scores with the same config, its one-line console, and a warm start from it;
+population-based training whose exploits are recorded in MLflow."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.config import from_dict, load_config
 from pipelines.tracking import LocalReporter
+from pipelines.train import evaluate_checkpoint
 from pipelines.train import run as train_locally
 from services import sweep, training
 
@@ -146,3 +149,40 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     for key in ("optim.lr", "loss.alpha"):
         assert float(first.data.params[key]) == pytest.approx(float(winner.data.params[key]), rel=1e-6), key
     assert first.data.metrics["map_at_r"] == winner.data.metrics["map_at_r"]  # the same point, trained again
+
+
+def test_pbt_clones_trials_records_the_lineage_and_the_best_checkpoint_scores_what_it_logged(
+        ray_cluster, tmp_path, local_mlflow):
+    base = load_config("digits", ["train.epochs=3", "train.max_steps_per_epoch=3", "scaling.num_workers=1",
+                                  f"tracking.tracking_uri={local_mlflow}", f"tracking.storage_path={tmp_path / 'runs'}"])
+    out = sweep.run_sweep(base, "digits_quick", samples=4, scheduler="pbt", search="random", max_concurrent=4)
+    assert len(out.trials) == 4 and all(t["error"] is None and t["epochs"] == 3 for t in out.trials), out.trials
+
+    client = MlflowClient(local_mlflow)
+    children = _children(client, out.parent_run_id)
+    ids = {c.data.tags["trial_id"] for c in children}
+    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children)
+    # The population reaches each epoch together; the bottom quarter (1 of 4) clones the top one.
+    exploited = [c for c in children if "pbt.exploits" in c.data.tags]
+    assert exploited, "no exploit in 2 synchronous rounds"
+    for child in exploited:
+        n = int(child.data.tags["pbt.exploits"])
+        records = [json.loads(child.data.tags[f"pbt.exploit.{i}"]) for i in range(1, n + 1)]
+        assert child.data.tags["pbt.cloned_from"] == records[-1]["from_trial"]
+        for rec in records:
+            assert rec["from_trial"] in ids - {child.data.tags["trial_id"]} and rec["epoch"] in (1, 2)
+            assert set(rec["values"]) == set(rec["donor_values"]) == {"optim.lr", "loss.alpha"}
+            assert rec["values"] != rec["donor_values"]  # perturbed or resampled
+            assert 3e-4 <= rec["values"]["optim.lr"] <= 3e-3 and 8.0 <= rec["values"]["loss.alpha"] <= 48.0
+        # its run keeps one record per epoch: its own up to the exploit, then the clone's
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "map_at_r")]
+        assert steps == [1, 2, 3], steps
+        # the clone trains on at its own new rate (digits: a constant schedule), not the donor's
+        lr = {m.step: m.value for m in client.get_metric_history(child.info.run_id, "lr")}
+        for rec in records:
+            assert lr[rec["epoch"] + 1] == pytest.approx(rec["values"]["optim.lr"], rel=1e-9), (lr, rec)
+
+    best = max(children, key=lambda c: c.data.metrics["map_at_r"])
+    last = sorted((tmp_path / "runs" / out.name / best.info.run_name).glob("checkpoint_*"))[-1]
+    assert json.loads((last / "trainer_state.json").read_text())["epoch"] == 3
+    assert evaluate_checkpoint(last)["map_at_r"] == best.data.metrics["map_at_r"]

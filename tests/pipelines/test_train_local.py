@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,13 @@ import torch
 from pipelines.checkpoint import CHECKPOINT_FILES
 from pipelines.config import load_config
 from pipelines.tracking import LocalReporter
-from pipelines.train import TIMING_METRICS, evaluate_checkpoint, run
+from pipelines.train import (
+    TIMING_METRICS,
+    evaluate_checkpoint,
+    group_learning_rates,
+    retarget_learning_rates,
+    run,
+)
 
 OVERRIDES = ["train.max_steps_per_epoch=5", "scaling.num_workers=1", "model.width=8"]
 
@@ -77,3 +84,37 @@ def test_validation_split_trains_fewer_proxies_and_the_checkpoint_scores_the_tes
     # 2 held-out digits x ~180 images vs 5 unseen digits x ~180: different sets, different scores.
     assert test["map_at_r"] != pytest.approx(val["map_at_r"], abs=1e-3)
     assert 0.0 < test["recall_at_1"] <= 1.0
+
+
+def _optimizer(cfg):
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    groups = [{"params": [p], "name": name, "lr": lr} for p, (name, lr) in zip(params, group_learning_rates(cfg).items())]
+    optimizer = torch.optim.SGD(groups, lr=cfg.optim.lr)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.train.epochs)
+
+
+def test_a_checkpoint_of_other_learning_rates_goes_on_at_this_configs_rates_on_the_same_schedule():
+    # A PBT exploit: trial B loads trial A's optimiser (lr 1e-3, proxies x10) two epochs into a
+    # cosine schedule and goes on with its own perturbed lr 1.2e-3 and proxy multiplier 8.
+    donor = load_config("digits", ["optim.lr=1e-3", "optim.proxy_lr_multiplier=10", "train.epochs=4"])
+    opt_a, sched_a = _optimizer(donor)
+    for _ in range(2):
+        opt_a.step()
+        sched_a.step()
+    cosine = [g["lr"] / base for g, base in zip(opt_a.param_groups, sched_a.base_lrs)]
+    cfg = load_config("digits", ["optim.lr=1.2e-3", "optim.proxy_lr_multiplier=8", "train.epochs=4"])
+    opt_b, sched_b = _optimizer(cfg)
+    opt_b.load_state_dict(opt_a.state_dict())
+    sched_b.load_state_dict(sched_a.state_dict())
+    assert retarget_learning_rates(cfg, opt_b, sched_b) == ["backbone", "head", "proxies"]
+    want = group_learning_rates(cfg)
+    for group, factor in zip(opt_b.param_groups, cosine):
+        assert group["lr"] == pytest.approx(want[group["name"]] * factor, rel=1e-12)
+    sched_b.step()  # the schedule goes on from the new base rates
+    assert opt_b.param_groups[0]["lr"] == pytest.approx(1.2e-3 * (1 + math.cos(math.pi * 3 / 4)) / 2, rel=1e-9)
+    # a plain resume (same rates): nothing moves, bit for bit
+    opt_c, sched_c = _optimizer(donor)
+    opt_c.load_state_dict(opt_a.state_dict())
+    sched_c.load_state_dict(sched_a.state_dict())
+    assert retarget_learning_rates(donor, opt_c, sched_c) == []
+    assert [g["lr"] for g in opt_c.param_groups] == [g["lr"] for g in opt_a.param_groups]

@@ -138,6 +138,24 @@ def test_warm_start_tells_the_searcher_the_earlier_points_that_fit_this_space(tm
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing half-written
 
 
+def test_pbt_needs_random_search_one_worker_trials_and_keys_that_can_change_mid_run(tmp_path):
+    base = load_config("digits", ["scaling.num_workers=1"])
+    ok = dict(samples=4, max_concurrent=None, cluster_cpus=4)
+    assert sweep.load_sweep(base, "digits_quick", scheduler="pbt", search="random", **ok).scheduler == "pbt"
+    with pytest.raises(ConfigError, match="--scheduler pbt needs --search random"):
+        sweep.load_sweep(base, "digits_quick", scheduler="pbt", search="optuna", **ok)
+    with pytest.raises(ConfigError, match=r"--scheduler pbt needs one-worker trials \(scaling.num_workers=1"):
+        sweep.load_sweep(load_config("digits", ["scaling.num_workers=2"]), "digits_quick", scheduler="pbt",
+                         search="random", **ok)
+    space = tmp_path / "shape.yaml"
+    space.write_text("optim.lr: {loguniform: [1.0e-4, 1.0e-3]}\nmodel.embedding_dim: {choice: [32, 64]}\n")
+    with pytest.raises(ConfigError, match=r"--scheduler pbt: model.embedding_dim cannot change in the middle of a "
+                                          r"run; PBT perturbs optim.lr, optim.proxy_lr_multiplier, loss.alpha, loss.delta"):
+        sweep.load_sweep(base, space, scheduler="pbt", search="random", **ok)
+    with pytest.raises(ConfigError, match="--scheduler must be asha, pbt or none"):
+        sweep.load_sweep(base, "digits_quick", scheduler="hyperband", search="random", **ok)
+
+
 def test_asha_first_rung_defaults_past_the_warm_up_and_a_rung_inside_it_is_refused(tmp_path):
     base = load_config("emoji_proxy_anchor")  # 1 warm-up epoch (head and proxies only), 5 epochs
     space = tmp_path / "anchor_and_lr.yaml"
