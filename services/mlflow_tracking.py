@@ -219,6 +219,26 @@ def record_exploit(run_id: str, uri: str, record: dict[str, Any]) -> int:
     return n
 
 
+ASHA_TAGS = ("rung", "value", "cutoff", "rung_trials")
+
+
+def record_asha_stop(uri: str, parent_run_id: str, trial_id: str, judged: dict[str, float]) -> None:
+    """Tag the run of sweep trial ``trial_id`` with why ASHA stopped it: ``asha.rung`` (the
+    epoch), ``asha.value`` (its metric there), ``asha.cutoff`` (the rung's cutoff it fell below)
+    and ``asha.rung_trials`` (the values that cutoff was taken over)."""
+    client = MlflowClient(uri)
+    with auth.guard(uri, auth.Need("EDIT", f"trial {trial_id}", "record an ASHA stop")):
+        exp_id = call_with_retries(lambda: client.get_run(parent_run_id)).info.experiment_id
+        found = call_with_retries(lambda: client.search_runs(
+            [exp_id], f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.trial_id = '{trial_id}'", max_results=1))
+        if not found:
+            raise LookupError(f"no run of trial {trial_id} under sweep run {parent_run_id}")
+        call_with_retries(lambda: client.log_batch(found[0].info.run_id, tags=[
+            # Counts as integers, values as repr: the float read back is the one ASHA compared.
+            RunTag(f"asha.{k}", str(int(judged[k])) if k in ("rung", "rung_trials") else repr(judged[k]))
+            for k in ASHA_TAGS]))
+
+
 def log_pytorch_model(run_id: str, uri: str, checkpoint: Path) -> None:
     """Log the trained embedder with ``mlflow.pytorch`` and a signature, ready to register."""
     import mlflow.pytorch

@@ -1,10 +1,11 @@
 """``proxydml report RUN_ID|EXPERIMENT ...``: one self-contained HTML page comparing runs.
 
 The page holds: the runs (name, id, status, loss, dataset), the final value of every metric
-(best retrieval value per row in bold), the params whose values differ between the runs (all
-params in a collapsed section), overlaid learning curves of all runs, and each run's
-dashboard plots (``plots/*.png``, see pipelines/plots.py) embedded as base64 data URIs: the
-file opens anywhere, offline, with no server.
+(best retrieval value per row in bold), for a sweep's parent run what the sweep searched and
+found (services/sweep_page.py), the params whose values differ between the runs (all params in
+a collapsed section), overlaid learning curves of all runs, and each run's dashboard plots
+(``plots/*.png``, see pipelines/plots.py) embedded as base64 data URIs: the file opens
+anywhere, offline, with no server.
 
 Where it goes: the file ``--out`` (default ``report.html``), and, unless ``--no-log``, an
 MLflow artifact ``report/report.html``:
@@ -39,7 +40,7 @@ from mlflow.tracking import MlflowClient
 
 from pipelines import plots
 from pipelines.evaluate import CROSS_GROUP_PREFIX, DEFAULT_RECALL_KS, is_retrieval_metric, metric_names
-from services import auth
+from services import auth, sweep_page
 from services.mlflow_tracking import resolve_tracking_uri
 from services.uris import redact
 
@@ -242,6 +243,7 @@ figure img{display:block;height:auto;max-width:100%}
 .plots figure.big img{width:auto;cursor:zoom-out}
 figcaption{font-size:12px;color:#556;margin-top:4px}
 details{margin:8px 0}
+.bar{display:inline-block;height:10px;background:#3b6fd8}
 """
 
 _PLOT_TITLES = {
@@ -253,8 +255,10 @@ _PLOT_TITLES = {
 }
 
 
-def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparison_png: bytes | None) -> str:
-    """The report page for ``runs`` (every string escaped; images as data URIs)."""
+def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparison_png: bytes | None,
+                sweeps: Sequence[sweep_page.Sweep] = ()) -> str:
+    """The report page for ``runs`` (every string escaped; images as data URIs), with a section
+    for each sweep parent run among them."""
     esc = html.escape
     names = [esc(r.name) for r in runs]
     parts = [
@@ -284,6 +288,9 @@ def render_html(runs: Sequence[RunData], title: str, tracking_uri: str, comparis
     if system:
         parts.append(f'<details class="system"><summary>System metrics ({len(system)})</summary>'
                      f"{_metric_table(runs, system, names)}</details>")
+
+    for sweep in sweeps:
+        parts.append(sweep_page.render_section(sweep, _table, _img))
 
     diff = differing_params(runs)
     if len(runs) > 1:
@@ -392,6 +399,10 @@ def build_report(
         runs, direct, experiments = resolve_targets(client, targets, max_runs)
         keys = [k for k, _ in plots.CURVE_KEYS]
         data = [collect(client, r, keys) for r in runs]
+        try:
+            sweeps = [sweep_page.collect_sweep(client, r) for r in runs if sweep_page.is_sweep_run(r)]
+        except ValueError as exc:  # a sweep run whose space.* params or trial params were edited by hand
+            raise ReportError(f"sweep run: {exc}") from exc
 
     comparison = None
     if any(d.histories for d in data):
@@ -406,7 +417,7 @@ def build_report(
         title = data[0].name
     else:
         title = ", ".join(d.name for d in data[:4]) + (" ..." if len(data) > 4 else "")
-    page = render_html(data, title, uri, comparison)
+    page = render_html(data, title, uri, comparison, sweeps)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from ray.tune import Callback as TuneCallback  # noqa: E402
+from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict, load_yaml  # noqa: E402
@@ -509,10 +510,13 @@ def _trial_dirname(trial: Any, sweep: str) -> str:
 
 
 def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, parent_run_id: str,
-                  mlflow_uri: str, storage_path: str, in_process: bool, login: dict[str, str] | None = None) -> None:
+                  mlflow_uri: str, storage_path: str, in_process: bool, holds: dict[str, float],
+                  login: dict[str, str] | None = None) -> None:
     """One trial: trained here when ``in_process`` (decided once for the sweep by
     :func:`in_process_trials`, which also sized the trial's resources), else a full
-    multi-worker TorchTrainer run whose reports are forwarded to Tune.
+    multi-worker TorchTrainer run whose reports are forwarded to Tune. ``holds``: the CPUs and
+    GPUs the trial holds, its Train workers' included (tags ``trial_cpus``, ``trial_gpus``: the
+    sweep page's compute spent).
 
     ``login``: the sweep driver's MLflow login (tune.with_parameters keeps it in the object
     store, out of the trial config Tune records), this actor's environment from here on.
@@ -528,6 +532,7 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     cfg.tracking.storage_path = storage_path
     run_id, _ = mt.open_run(cfg, mlflow_uri, extra_tags={
         "mlflow.parentRunId": parent_run_id, "sweep_name": sweep, "trial_id": trial_id,
+        "trial_cpus": f"{holds['cpus']:g}", "trial_gpus": f"{holds['gpus']:g}",
     })
     if in_process:
         _quiet_worker_logs()
@@ -608,6 +613,48 @@ class _SweepProgressCallback(TuneCallback):
         self._send(trials, True)
 
 
+# Sweep name -> where the sweep running in this process records an ASHA stop (as _PROGRESS_SINKS).
+_STOP_SINKS: dict[str, Callable[[str, dict[str, float]], None]] = {}
+
+
+class _RecordingASHA(ASHAScheduler):
+    """ASHA that records each trial it stops before the last epoch: the rung (epoch), the
+    trial's value there, the cutoff it fell below and how many trials that rung had seen. The
+    sweep page explains a stop with the numbers ASHA compared, which the runs' histories cannot
+    give back: a cutoff depends on the order in which results reached the driver."""
+
+    def __init__(self, sweep: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sweep = sweep
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+        judged = self._rung_and_cutoff(trial.trial_id, result)
+        action = super().on_trial_result(tune_controller, trial, result)
+        sink = _STOP_SINKS.get(self.sweep)
+        if action == self.STOP and judged is not None and sink is not None:
+            sink(trial.trial_id, judged)
+        return action
+
+    def _rung_and_cutoff(self, trial_id: str, result: dict) -> dict[str, float] | None:
+        """The rung this result is about to be judged at, as ASHA's bracket picks it (the
+        highest milestone reached that has not recorded the trial), and the cutoff there. None
+        at the last epoch (every trial stops there), below the first rung, or where the rung
+        has no value yet. Reads the bracket's state: the pinned Ray's ``_Bracket``."""
+        epoch, value = result.get(self._time_attr), result.get(self._metric)
+        bracket = self._trial_info.get(trial_id)
+        if epoch is None or value is None or bracket is None or epoch >= self._max_t:
+            return None
+        for milestone, recorded in bracket._rungs:
+            if epoch < milestone or trial_id in recorded:
+                continue
+            cutoff = bracket.cutoff(recorded)
+            if cutoff is None:
+                return None
+            return {"rung": float(milestone), "value": float(value), "cutoff": float(self._metric_op * cutoff),
+                    "rung_trials": float(len(recorded))}
+        return None
+
+
 def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_root: str,
                on_progress: Callable[[SweepProgress, bool], None] | None = None,
                ) -> tuple[list[dict[str, Any]], int | None]:
@@ -616,7 +663,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     for other searches and for a resumed sweep, whose searcher Tune restores on its own).
     ``on_progress``: called with the sweep's :class:`SweepProgress` as it goes (final: True at the end)."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
+
+    from services import mlflow_tracking as mt
 
     name = spec.name()
     # s3://...: the sweep state and every trial's checkpoints on S3, so a trial whose node is
@@ -624,6 +673,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     root = storage_root.rstrip("/") if storage_root.startswith("s3://") else str(Path(storage_root).resolve())
     storage, filesystem = storage_location(root)
     one_process = in_process_trials(spec.base)
+    workers = 1 if one_process else spec.base.scaling.num_workers
+    holds = {"cpus": workers * spec.base.scaling.cpus_per_worker, "gpus": workers if wants_gpu(spec.base) else 0}
+    progress = _SweepProgressCallback(spec, cpus=holds["cpus"], gpus=holds["gpus"])
     if one_process:  # the trial trains in its own process: it holds the worker's resources
         resources = {"cpu": spec.base.scaling.cpus_per_worker, "gpu": 1 if wants_gpu(spec.base) else 0}
     else:  # the trial driver only waits on its Train workers: a sliver of a CPU (docs/operations.md)
@@ -631,23 +683,20 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     trainable = tune.with_resources(
         tune.with_parameters(
             _trial_driver, base=spec.base.to_dict(), sweep=name, parent_run_id=parent_run_id,
-            mlflow_uri=mlflow_uri, login=worker_credentials(), in_process=one_process,
+            mlflow_uri=mlflow_uri, login=worker_credentials(), in_process=one_process, holds=holds,
             # In-process trials keep their checkpoints in Tune's trial folder, Train runs their own.
             storage_path=f"{root}/{name}" if one_process else f"{root}/{name}/trials",
         ),
         resources,
     )
-    workers = 1 if one_process else spec.base.scaling.num_workers
-    progress = _SweepProgressCallback(spec, cpus=workers * spec.base.scaling.cpus_per_worker,
-                                      gpus=workers if wants_gpu(spec.base) else 0)
     path = f"{storage}/{name}"
     study_storage = None
     if tune.Tuner.can_restore(path, storage_filesystem=filesystem):
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, storage_filesystem=filesystem)
     else:
         if spec.scheduler == "asha":
-            scheduler = ASHAScheduler(time_attr="epoch", max_t=spec.base.train.epochs, grace_period=spec.grace_period,
-                                      reduction_factor=spec.reduction_factor)
+            scheduler = _RecordingASHA(name, time_attr="epoch", max_t=spec.base.train.epochs,
+                                       grace_period=spec.grace_period, reduction_factor=spec.reduction_factor)
         elif spec.scheduler == "pbt":
             from ray.tune.schedulers import PopulationBasedTraining
 
@@ -712,10 +761,22 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
         )
     if on_progress is not None:
         _PROGRESS_SINKS[name] = on_progress
+    stops: dict[str, dict[str, float]] = {}
+
+    def record_stop(trial_id: str, judged: dict[str, float]) -> None:
+        # On the trial's run right away: a sweep killed now and resumed later keeps why it stopped.
+        stops[trial_id] = judged
+        try:
+            mt.record_asha_stop(mlflow_uri, parent_run_id, trial_id, judged)
+        except Exception as exc:  # noqa: BLE001 - the page loses one explanation; the sweep goes on
+            logging.getLogger("proxydml.sweep").warning("trial %s: ASHA stop not recorded: %s", trial_id, exc)
+
+    _STOP_SINKS[name] = record_stop
     try:
         grid = tuner.fit()
     finally:
         _PROGRESS_SINKS.pop(name, None)
+        _STOP_SINKS.pop(name, None)
     trials = []
     for result in grid:
         metrics = result.metrics or {}
@@ -725,6 +786,7 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             "metric": metrics.get(spec.metric),
             "epochs": metrics.get("epoch"),
             "error": repr(result.error) if result.error else None,
+            "asha": stops.get(metrics.get("trial_id") or Path(result.path).name),
         })
     if study_storage is None:
         return trials, None

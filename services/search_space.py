@@ -17,6 +17,7 @@ Ray Tune, and both import this module.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -48,6 +49,29 @@ class Dimension:
             return False
         low, high = self.values
         return low <= value < high if self.kind == "randint" else low <= value <= high
+
+    def describe(self) -> str:
+        """``kind[values]``: the sweep parent run's ``space.KEY`` param (read by :meth:`parse`)."""
+        return f"{self.kind}{list(self.values)}"
+
+    @classmethod
+    def parse(cls, key: str, text: str) -> Dimension:
+        """The dimension a ``space.KEY`` param describes (``loguniform[0.0003, 0.003]``)."""
+        kind, _, values = text.partition("[")
+        if kind not in DOMAINS or not values.endswith("]"):
+            raise ValueError(f"space.{key}: {text!r} is not kind[values] with kind one of {', '.join(DOMAINS)}")
+        return cls(key, kind, tuple(ast.literal_eval("[" + values)))
+
+    def value_of(self, text: str) -> Any:
+        """A trial's value of this key from its MLflow param (a string) back to its type."""
+        if self.kind in ("loguniform", "uniform"):
+            return float(text)
+        if self.kind == "randint":
+            return int(text)
+        by_text = {str(v): v for v in self.values}
+        if text not in by_text:
+            raise ValueError(f"{self.key}={text!r} is none of {list(self.values)}")
+        return by_text[text]
 
 
 @dataclass

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipelines.config import Config, ConfigError
 from services.console import SweepProgress
-from services.search_space import SEARCH_DIR, SweepSpec, apply, load_sweep, resolve_space_file
+from services.search_space import SEARCH_DIR, Dimension, SweepSpec, apply, load_sweep, resolve_space_file
 
 # SEARCH_DIR and load_sweep stay importable from here for callers of ``services.sweep``.
 __all__ = ["SEARCH_DIR", "SweepOutcome", "best_config", "close_trial_runs", "finish_parent_run", "load_sweep",
@@ -40,11 +40,11 @@ def open_parent_run(spec: SweepSpec, uri: str, space_file: Path) -> tuple[str, b
         return found[0].info.run_id, True
     run = client.create_run(exp_id, run_name=name, tags={
         "sweep_name": name, "dataset": spec.base.data.name, "loss": spec.base.loss.name,
-        "git_sha": git_sha(), "kind": "sweep", "metric": spec.metric,
+        "git_sha": git_sha(), "kind": "sweep", "metric": spec.metric, "mode": spec.mode,
     })
     params = [Param("sweep.samples", str(spec.samples)), Param("sweep.scheduler", spec.scheduler),
               Param("sweep.search", spec.search), Param("sweep.max_concurrent", str(spec.max_concurrent))]
-    params += [Param(f"space.{d.key}", f"{d.kind}{list(d.values)}") for d in spec.space]
+    params += [Param(f"space.{d.key}", d.describe()) for d in spec.space]
     if spec.warm_start:
         params += [Param("sweep.warm_start", spec.warm_start), Param("sweep.warm_start_points", str(len(spec.evaluated)))]
     client.log_batch(run.info.run_id, params=params)
@@ -98,41 +98,50 @@ def finish_parent_run(spec: SweepSpec, uri: str, parent_id: str, trials: list[di
             (folder / "best_config.yaml").write_text(best_cfg.to_yaml())
             client.set_tag(parent_id, "best_trial", best["trial_id"])
             client.log_metric(parent_id, f"best_{spec.metric}", best["metric"])
-            write_sweep_plots(spec, scored, folder)
+            write_sweep_plots(spec.name(), spec.space, spec.metric, scored, folder)
         (folder / "trials.json").write_text(json.dumps(trials, indent=2, default=str))
         client.log_artifacts(parent_id, str(folder), "sweep")
     return best_cfg
 
 
-def write_sweep_plots(spec: SweepSpec, trials: list[dict[str, Any]], folder: Path) -> list[Path]:
-    """Parallel coordinates of every trial, and the metric against each parameter."""
+def write_sweep_plots(title: str, dims: Sequence[Dimension], metric_name: str, trials: list[dict[str, Any]],
+                      folder: Path) -> list[Path]:
+    """Parallel coordinates of every trial, and the metric against each parameter.
+
+    ``trials``: dicts with ``params`` (key -> value) and ``metric``; ``stopped`` true draws the
+    trial dashed (stopped early: its metric is from an earlier epoch)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    keys = [d.key for d in spec.space]
+    keys = [d.key for d in dims]
     metric = np.array([t["metric"] for t in trials], dtype=float)
 
-    def column(key: str) -> np.ndarray:
-        values = [t["params"].get(key) for t in trials]
+    def column(dim: Dimension) -> np.ndarray:
+        values = [t["params"].get(dim.key) for t in trials]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return np.array(values, dtype=float)
         cats = sorted({str(v) for v in values})
         return np.array([cats.index(str(v)) for v in values], dtype=float)
 
-    cols = [column(k) for k in keys] + [metric]
-    names = keys + [spec.metric]
-    scaled = [(c - c.min()) / (c.max() - c.min()) if c.max() > c.min() else np.full_like(c, 0.5) for c in cols]
+    cols = [column(d) for d in dims] + [metric]
+    # A log-uniform key spreads its trials over its decades, so its axis does too.
+    axes_cols = [np.log10(c) if d.kind == "loguniform" else c for d, c in zip(dims, cols)] + [metric]
+    names = keys + [metric_name]
+    scaled = [(c - c.min()) / (c.max() - c.min()) if c.max() > c.min() else np.full_like(c, 0.5) for c in axes_cols]
     fig, ax = plt.subplots(figsize=(2.2 * len(names) + 2, 4.5))
     cmap = plt.get_cmap("viridis")
     order = (metric - metric.min()) / (metric.max() - metric.min() + 1e-12)
-    for i in range(len(trials)):
-        ax.plot(range(len(names)), [s[i] for s in scaled], color=cmap(order[i]), alpha=0.85, lw=2)
+    for i, trial in enumerate(trials):
+        ax.plot(range(len(names)), [s[i] for s in scaled], color=cmap(order[i]), alpha=0.85,
+                lw=1 if trial.get("stopped") else 2, ls="--" if trial.get("stopped") else "-")
     ax.set_xticks(range(len(names)), names, rotation=15)
     ax.set_yticks([])
-    ax.set_title(f"{spec.name()}: {len(trials)} trials, colour = {spec.metric}")
+    stopped = sum(bool(t.get("stopped")) for t in trials)
+    ax.set_title(f"{title}: {len(trials)} trials, colour = {metric_name}"
+                 + (f", dashed = stopped early ({stopped})" if stopped else ""))
     for x in range(len(names)):
         ax.axvline(x, color="grey", lw=0.5)
     fig.tight_layout()
@@ -141,16 +150,16 @@ def write_sweep_plots(spec: SweepSpec, trials: list[dict[str, Any]], folder: Pat
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), squeeze=False)
-    for ax, key, col in zip(axes[0], keys, cols[:-1]):
+    for ax, dim, col in zip(axes[0], dims, cols[:-1]):
         ax.scatter(col, metric, c=metric, cmap="viridis", s=40)
         if abs(col.std()) > 0 and abs(metric.std()) > 0:
             r = float(np.corrcoef(col, metric)[0, 1])
-            ax.set_title(f"{key} (r={r:+.2f})")
+            ax.set_title(f"{dim.key} (r={r:+.2f})")
         else:
-            ax.set_title(key)
-        if any(d.key == key and d.kind == "loguniform" for d in spec.space):
+            ax.set_title(dim.key)
+        if dim.kind == "loguniform":
             ax.set_xscale("log")
-        ax.set_ylabel(spec.metric)
+        ax.set_ylabel(metric_name)
     fig.tight_layout()
     out.append(folder / "parameter_scatter.png")
     fig.savefig(out[1], dpi=110)

@@ -22,6 +22,7 @@ from pipelines.tracking import LocalReporter
 from pipelines.train import evaluate_checkpoint
 from pipelines.train import run as train_locally
 from services import sweep, training
+from tests.e2e.test_browser import assert_not_blank
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -186,3 +187,55 @@ def test_pbt_clones_trials_records_the_lineage_and_the_best_checkpoint_scores_wh
     last = sorted((tmp_path / "runs" / out.name / best.info.run_name).glob("checkpoint_*"))[-1]
     assert json.loads((last / "trainer_state.json").read_text())["epoch"] == 3
     assert evaluate_checkpoint(last)["map_at_r"] == best.data.metrics["map_at_r"]
+
+
+def test_sweep_page_explains_an_asha_sweep_in_chromium(ray_cluster, tmp_path, local_mlflow, digits_config, browser):
+    """A learning rate that works on digits and one too large (MAP@R ~0.34 against ~0.24), each with two seeds, one trial at a time
+    under ASHA: the weak config is stopped at the first rung below a cutoff ASHA recorded on its
+    run, the strong one finishes with both seeds (a seed spread), and `proxydml report` of the
+    sweep shows all of it in headless Chromium, with Optuna's fANOVA importances."""
+    from services import report, sweep_page
+
+    space = tmp_path / "lr_seed.yaml"
+    space.write_text("optim.lr: {grid: [1.0e-3, 3.0e-2]}\ntrain.seed: {grid: [0, 1]}\n")
+    base = digits_config(local_mlflow, tmp_path / "runs", workers=1)  # full epochs: the lr shows at the first
+    out = sweep.run_sweep(base, space, samples=1, scheduler="asha", search="grid", max_concurrent=1)
+    client = MlflowClient(local_mlflow)
+    children = _children(client, out.parent_run_id)
+    assert len(children) == 4
+    stopped = [c for c in children if c.info.status == "KILLED"]
+    seen = [(c.data.params["optim.lr"], c.data.params["train.seed"], c.info.status, c.data.metrics.get("map_at_r"))
+            for c in children]
+    assert stopped and all(float(c.data.params["optim.lr"]) == 3e-2 for c in stopped), seen
+    for child in children:
+        tags = child.data.tags
+        assert (child.info.status == "KILLED") == ("asha.rung" in tags), tags
+        assert tags["trial_cpus"] == "1" and tags["trial_gpus"] == "0"
+        if "asha.rung" in tags:  # the value ASHA compared is the run's logged metric at that rung
+            (at_rung,) = [m.value for m in client.get_metric_history(child.info.run_id, "map_at_r")]
+            assert tags["asha.rung"] == "1" and float(tags["asha.value"]) == at_rung < float(tags["asha.cutoff"])
+            assert int(tags["asha.rung_trials"]) >= 1
+    by_trial = {t["trial_id"]: t for t in out.trials}
+    assert {c.data.tags["trial_id"] for c in stopped} == {k for k, t in by_trial.items() if t["asha"]}
+
+    page = tmp_path / "sweep.html"
+    report.build_report([out.parent_run_id], out=page, tracking_uri=local_mlflow, log=False)
+    swept = sweep_page.collect_sweep(client, client.get_run(out.parent_run_id))
+    browser.get(page.as_uri())
+    section = browser.find_element("css selector", "#sweep")
+    browser.execute_script("arguments[0].scrollIntoView()", section)
+    shown = {row.find_element("tag name", "code").text: float(row.find_elements("tag name", "td")[2].text)
+             for row in browser.find_elements("css selector", "table.importance tbody tr")}
+    assert shown == pytest.approx(sweep_page.importances(swept), abs=5e-5) and shown["optim.lr"] > 0.5
+    rung = [td.text for td in browser.find_elements("css selector", "table.rungs tbody td")]
+    assert rung[:3] == ["1", "4", str(len(stopped))], rung
+    spread = [td.text for td in browser.find_elements("css selector", "table.seeds tbody td")]
+    assert spread[:3] == ["optim.lr=0.001", "2", "0, 1"], spread
+    cost = [td.text for td in browser.find_elements("css selector", "table.sweep-cost tbody td")]
+    assert cost[0] == "4" and float(cost[1]) > 0 and float(cost[2]) > 0, cost
+    sizes = browser.execute_script("return Array.from(document.querySelectorAll('#sweep ~ .plots img'))"
+                                   ".map(i => i.complete ? i.naturalWidth : 0)")
+    assert len(sizes) == 2 and min(sizes) > 400, sizes  # parallel coordinates and the scatter, decoded
+    shot = browser.get_screenshot_as_png()
+    (tmp_path / "sweep-page.png").write_bytes(shot)
+    assert_not_blank(shot, "sweep page", min_colours=32)
