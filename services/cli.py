@@ -151,6 +151,9 @@ def _cmd_data_build(args: argparse.Namespace) -> int:
     return 0
 
 
+RANKED_TRIALS = 20  # rows of the ranked table `proxydml tune` ends with (failed trials: half as many more)
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     base = load_config(args.config, args.overrides)
     from services import console, sweep
@@ -167,12 +170,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                                   warm_start=args.warm_start, start_from_best=args.start_from_best,
                                   on_progress=console.SweepConsole(show, tty=sys.stdout.isatty()))
         print(f"\nsweep {out.name}{' (resumed)' if out.resumed else ''}: {len(out.trials)} trial(s)")
-        for t in sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf"))):
-            shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
+        ranked = sorted(out.trials, key=lambda t: -(t["metric"] or float("-inf")))
+        # The best trials and the failed ones (their errors), the console bounded for any sweep size.
+        shown = ranked[:RANKED_TRIALS] + [t for t in ranked[RANKED_TRIALS:] if t["error"]][:RANKED_TRIALS // 2]
+        for t in shown:
+            values = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())
             metric = f"{t['metric']:.4f}" if t["metric"] is not None else "n/a"
-            print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {shown}")
+            print(f"  {t['trial_id']:24s} {args.metric}={metric} epochs={t['epochs']} {values}")
             if t["error"]:
                 print(f"    failed: {t['error'].splitlines()[0][:200]} (full trace in the log)")
+        if len(shown) < len(ranked):
+            print(f"  ... {len(ranked) - len(shown)} more (every trial: proxydml report {out.parent_run_id})")
         print(f"MLflow parent run: {out.parent_run_id}")
         print(f"best config      : proxydml tune best {out.name}")
         print(f"log              : {log}")

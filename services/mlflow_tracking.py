@@ -128,6 +128,25 @@ def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Run | None:
     return found[0] if found else None
 
 
+def ended_trial(cfg: Config, uri: str) -> dict[str, float] | None:
+    """Where sweep trial ``cfg`` ended, if its run says it did: the run's last metrics and
+    ``epoch`` (the last one when the run FINISHED, the one ASHA stopped it at: tag
+    ``asha.epoch``). None when the trial has no run yet or is still to go on."""
+    client = MlflowClient(uri)
+    with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]):
+        exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
+        run = find_run(client, exp.experiment_id, cfg) if exp is not None else None
+    if run is None:
+        return None
+    if "asha.rung" in run.data.tags:
+        epoch = int(run.data.tags.get("asha.epoch", run.data.tags["asha.rung"]))
+    elif run.info.status == "FINISHED":
+        epoch = cfg.train.epochs
+    else:
+        return None
+    return {**run.data.metrics, "epoch": epoch}
+
+
 def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """Find the run tagged with this run name or create it. Returns (run_id, resumed).
 
@@ -219,13 +238,14 @@ def record_exploit(run_id: str, uri: str, record: dict[str, Any]) -> int:
     return n
 
 
-ASHA_TAGS = ("rung", "value", "cutoff", "rung_trials")
+ASHA_TAGS = ("rung", "epoch", "value", "cutoff", "rung_trials")
 
 
 def record_asha_stop(uri: str, parent_run_id: str, trial_id: str, judged: dict[str, float]) -> None:
     """Tag the run of sweep trial ``trial_id`` with why ASHA stopped it: ``asha.rung`` (the
-    epoch), ``asha.value`` (its metric there), ``asha.cutoff`` (the rung's cutoff it fell below)
-    and ``asha.rung_trials`` (the values that cutoff was taken over)."""
+    rung's epoch), ``asha.epoch`` (the epoch of the result judged: the rung's, or later for a
+    trial restored by a resumed sweep), ``asha.value`` (its metric then), ``asha.cutoff`` (the
+    rung's cutoff it fell below) and ``asha.rung_trials`` (the values that cutoff was taken over)."""
     client = MlflowClient(uri)
     with auth.guard(uri, auth.Need("EDIT", f"trial {trial_id}", "record an ASHA stop")):
         exp_id = call_with_retries(lambda: client.get_run(parent_run_id)).info.experiment_id
@@ -233,9 +253,11 @@ def record_asha_stop(uri: str, parent_run_id: str, trial_id: str, judged: dict[s
             [exp_id], f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.trial_id = '{trial_id}'", max_results=1))
         if not found:
             raise LookupError(f"no run of trial {trial_id} under sweep run {parent_run_id}")
+        if "asha.rung" in found[0].data.tags:
+            return  # judged again after a resume, on a replay of where it ended: the first stop stands
         call_with_retries(lambda: client.log_batch(found[0].info.run_id, tags=[
             # Counts as integers, values as repr: the float read back is the one ASHA compared.
-            RunTag(f"asha.{k}", str(int(judged[k])) if k in ("rung", "rung_trials") else repr(judged[k]))
+            RunTag(f"asha.{k}", str(int(judged[k])) if k in ("rung", "epoch", "rung_trials") else repr(judged[k]))
             for k in ASHA_TAGS]))
 
 

@@ -34,6 +34,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from ray.tune import Callback as TuneCallback  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
+from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
 from pipelines import train as train_pipeline  # noqa: E402
 from pipelines.config import Config, from_dict, load_yaml  # noqa: E402
@@ -530,6 +531,12 @@ def _trial_driver(params: dict[str, Any], *, base: dict[str, Any], sweep: str, p
     cfg = apply(from_dict(base), params)
     cfg.tracking.run_name = f"{sweep}-{trial_id}"  # Tune trial ids survive a sweep restore
     cfg.tracking.storage_path = storage_path
+    ended = mt.ended_trial(cfg, mlflow_uri)
+    if ended is not None:
+        # Tune restored it from a sweep state saved before the trial ended (the driver was
+        # killed): it had finished, or ASHA had stopped it. Tell Tune where it ended, train no more.
+        tune.report(ended)
+        return
     run_id, _ = mt.open_run(cfg, mlflow_uri, extra_tags={
         "mlflow.parentRunId": parent_run_id, "sweep_name": sweep, "trial_id": trial_id,
         "trial_cpus": f"{holds['cpus']:g}", "trial_gpus": f"{holds['gpus']:g}",
@@ -637,7 +644,8 @@ class _RecordingASHA(ASHAScheduler):
 
     def _rung_and_cutoff(self, trial_id: str, result: dict) -> dict[str, float] | None:
         """The rung this result is about to be judged at, as ASHA's bracket picks it (the
-        highest milestone reached that has not recorded the trial), and the cutoff there. None
+        highest milestone reached that has not recorded the trial: past it when a resumed sweep's
+        fresh rungs meet a restored trial), and the cutoff there. None
         at the last epoch (every trial stops there), below the first rung, or where the rung
         has no value yet. Reads the bracket's state: the pinned Ray's ``_Bracket``."""
         epoch, value = result.get(self._time_attr), result.get(self._metric)
@@ -650,9 +658,34 @@ class _RecordingASHA(ASHAScheduler):
             cutoff = bracket.cutoff(recorded)
             if cutoff is None:
                 return None
-            return {"rung": float(milestone), "value": float(value), "cutoff": float(self._metric_op * cutoff),
-                    "rung_trials": float(len(recorded))}
+            return {"rung": float(milestone), "epoch": float(epoch), "value": float(value),
+                    "cutoff": float(self._metric_op * cutoff), "rung_trials": float(len(recorded))}
         return None
+
+
+class _ResumableOptunaSearch(OptunaSearch):
+    """OptunaSearch that survives a torn sweep state. Tune writes the trials and the searcher to
+    storage as separate files, so a driver killed mid-write can leave a state whose trials include
+    one the saved searcher never suggested; Ray's OptunaSearch then fails the resumed sweep on its
+    first result (KeyError). Here such a trial's results are ignored, and its final score, when
+    it reaches the searcher, is told to the study as an evaluated point."""
+
+    def _knows(self, trial_id: str) -> bool:
+        return trial_id in self._ot_trials or trial_id in self._completed_trials
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if self._knows(trial_id):
+            super().on_trial_result(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if self._knows(trial_id):
+            return super().on_trial_complete(trial_id, result, error)
+        result = result or {}
+        config = result.get("config") or {}
+        point = {k: config[k] for k in self._space if k in config}
+        if not error and result.get(self.metric) is not None and len(point) == len(self._space):
+            self.add_evaluated_point(point, float(result[self.metric]))
+        self._completed_trials.add(trial_id)
 
 
 def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_root: str,
@@ -716,7 +749,6 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
         space = {d.key: _tune_domain(d) for d in spec.space}
         if spec.search == "optuna":
             import optuna
-            from ray.tune.search.optuna import OptunaSearch
 
             # The searcher gets the space itself (not through the Tuner), so that the earlier
             # trials of a warm start can be told to it before the first suggestion; its study
@@ -725,9 +757,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
             # A warm start draws its own random start-up points: with the earlier sweep's seed
             # Optuna would suggest that sweep's first points again, whatever it was told.
             seed = spec.base.train.seed if not spec.warm_start else int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
-            search_alg = OptunaSearch(OptunaSearch.convert_search_space(space), metric=spec.metric, mode=spec.mode,
-                                      seed=seed, points_to_evaluate=points,
-                                      storage=study_storage, study_name=name)
+            search_alg = _ResumableOptunaSearch(OptunaSearch.convert_search_space(space), metric=spec.metric,
+                                                mode=spec.mode, seed=seed, points_to_evaluate=points,
+                                                storage=study_storage, study_name=name)
             for point, score in spec.evaluated:
                 search_alg.add_evaluated_point(point, score)
             space = {}
@@ -761,6 +793,11 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
         )
     if on_progress is not None:
         _PROGRESS_SINKS[name] = on_progress
+    # Tune saves the sweep's state (its trials and their checkpoints) every 10 s or more by default,
+    # so a driver killed in between loses the trials started since: their runs are left behind
+    # (sweep.close_trial_runs tags them) and Tune runs others in their place. Every second keeps
+    # that window to about one trial start; the state is a few KB per trial.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     stops: dict[str, dict[str, float]] = {}
 
     def record_stop(trial_id: str, judged: dict[str, float]) -> None:

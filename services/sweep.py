@@ -23,6 +23,12 @@ __all__ = ["SEARCH_DIR", "SweepOutcome", "best_config", "close_trial_runs", "fin
            "open_parent_run", "run_sweep", "write_sweep_plots"]
 
 
+# A trial run that the sweep lost: its driver was killed while the trial trained, before Tune's
+# saved state recorded the trial, so the resumed sweep ran another in its place. Tagged, closed
+# KILLED, and left out of the sweep's trials (its page, its count).
+LOST_TAG = "sweep_lost"
+
+
 # -- MLflow ------------------------------------------------------------------------------------
 def open_parent_run(spec: SweepSpec, uri: str, space_file: Path) -> tuple[str, bool]:
     """The sweep's parent run (found again by its name on resume). Returns (run_id, resumed)."""
@@ -52,19 +58,34 @@ def open_parent_run(spec: SweepSpec, uri: str, space_file: Path) -> tuple[str, b
     return run.info.run_id, False
 
 
-def close_trial_runs(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]]) -> None:
+def close_trial_runs(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set each child run's final status from Tune's view of the trial.
 
     Tune tears a trial down as soon as it stops it (ASHA, or max_t reached), usually before
     the trial's own code can close its run: FINISHED = all epochs, KILLED = stopped early.
+
+    A run of this sweep that Tune does not know (its driver was killed before the saved state
+    held the trial) is adopted when the trial had ended (it finished, or ASHA stopped it): it
+    is returned as one more trial. One that was still training is lost (:data:`LOST_TAG`).
     """
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     by_trial = {t["trial_id"]: t for t in trials}
+    adopted = []
     exp_id = client.get_run(parent_id).info.experiment_id
-    for child in client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'"):
-        trial = by_trial.get(child.data.tags.get("trial_id", ""))
+    for child in client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                                    max_results=50_000):
+        tags = child.data.tags
+        trial = by_trial.get(tags.get("trial_id", ""))
+        if trial is None and tags.get("sweep_name") == spec.name() and LOST_TAG not in tags:
+            trial = _ended_orphan(spec, child)
+            if trial is None:
+                client.set_tag(child.info.run_id, LOST_TAG, "true")
+                if child.info.status == "RUNNING":
+                    client.set_terminated(child.info.run_id, status="KILLED")
+                continue
+            adopted.append(trial)
         if trial is None:
             continue
         if trial["error"]:
@@ -76,6 +97,22 @@ def close_trial_runs(spec: SweepSpec, uri: str, parent_id: str, trials: list[dic
             client.set_tag(child.info.run_id, "stopped_early", "true")
         client.set_tag(child.info.run_id, "tune_epochs", str(trial["epochs"]))
         client.set_terminated(child.info.run_id, status=status)
+    return adopted
+
+
+def _ended_orphan(spec: SweepSpec, run: Any) -> dict[str, Any] | None:
+    """The trial record of a run Tune lost that had ended (FINISHED, or stopped by ASHA: its
+    ``asha.*`` tags), as :func:`runtime.tune_sweep` reports trials; None if it had not."""
+    tags, params = run.data.tags, run.data.params
+    if "asha.rung" in tags:
+        epochs = int(tags.get("asha.epoch", tags["asha.rung"]))
+        asha = {k.removeprefix("asha."): float(v) for k, v in tags.items() if k.startswith("asha.")}
+    elif run.info.status == "FINISHED":
+        epochs, asha = spec.base.train.epochs, None
+    else:
+        return None
+    return {"trial_id": tags["trial_id"], "params": {d.key: d.value_of(params[d.key]) for d in spec.space},
+            "metric": run.data.metrics.get(spec.metric), "epochs": epochs, "error": None, "asha": asha}
 
 
 def finish_parent_run(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]],
@@ -263,7 +300,7 @@ def run_sweep(
         trials, searcher_trials = runtime.tune_sweep(spec, parent_run_id=parent_id, mlflow_uri=uri,
                                                      storage_root=base.tracking.storage_path or "runs",
                                                      on_progress=on_progress)
-        close_trial_runs(spec, uri, parent_id, trials)
+        trials += close_trial_runs(spec, uri, parent_id, trials)
         best = finish_parent_run(spec, uri, parent_id, trials, searcher_trials)
         status = "FINISHED"
         return SweepOutcome(spec.name(), parent_id, trials, best, resumed)

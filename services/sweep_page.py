@@ -28,7 +28,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from services.search_space import Dimension
-from services.sweep import write_sweep_plots
+from services.sweep import LOST_TAG, write_sweep_plots
 
 SEED_KEYS = ("train.seed",)  # a config "repeats" when only these differ
 
@@ -51,7 +51,7 @@ class Trial:
     end_ms: int | None
     cpus: float
     gpus: float
-    asha: dict[str, float] = field(default_factory=dict)  # rung, value, cutoff, rung_trials
+    asha: dict[str, float] = field(default_factory=dict)  # rung, epoch, value, cutoff, rung_trials
 
     @property
     def hours(self) -> float:
@@ -80,7 +80,7 @@ def collect_sweep(client: MlflowClient, parent: Run) -> Sweep:
     trials = []
     for child in children:
         t, p = child.data.tags, child.data.params
-        if "trial_id" not in t:
+        if "trial_id" not in t or LOST_TAG in t:
             continue
         history = client.get_metric_history(child.info.run_id, metric) if metric in child.data.metrics else []
         last = max(history, key=lambda m: (m.step, m.timestamp)) if history else None
@@ -280,7 +280,8 @@ def render_section(sweep: Sweep, table: Any, img: Any) -> str:
                                                  else (t.value or 0)))
     for t in ranked:
         a = t.asha
-        stop = (f"rung {int(a['rung'])}: {_num(a['value'])} &lt; {_num(a['cutoff'])} "
+        late = f" at epoch {int(a['epoch'])}" if a.get("epoch", a.get("rung")) != a.get("rung") else ""
+        stop = (f"rung {int(a['rung'])}{late}: {_num(a['value'])} &lt; {_num(a['cutoff'])} "
                 f"(of {int(a['rung_trials'])})") if "rung" in a else ""
         rows.append([f"<code>{esc(t.trial_id)}</code>", *[esc(_value(t.params.get(k, '—'))) for k in keys],
                      _num(t.value), str(t.epochs), esc(t.status), stop, f"{t.hours * 3600:.1f}"])

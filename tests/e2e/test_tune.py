@@ -1,7 +1,8 @@
 """Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials (Ray Train) nested in MLflow;
 a resumable sweep of one-worker trials (trained in the trial's own process) whose trials score
 what `proxydml train` scores with the same config, its one-line console, and a warm start from it;
-population-based training whose exploits are recorded in MLflow."""
+population-based training whose exploits are recorded in MLflow; an ASHA sweep whose driver is
+killed outright and resumed, and its page in `proxydml report`, in headless Chromium."""
 
 from __future__ import annotations
 
@@ -189,20 +190,61 @@ def test_pbt_clones_trials_records_the_lineage_and_the_best_checkpoint_scores_wh
     assert evaluate_checkpoint(last)["map_at_r"] == best.data.metrics["map_at_r"]
 
 
-def test_sweep_page_explains_an_asha_sweep_in_chromium(ray_cluster, tmp_path, local_mlflow, digits_config, browser):
-    """A learning rate that works on digits and one too large (MAP@R ~0.34 against ~0.24), each with two seeds, one trial at a time
-    under ASHA: the weak config is stopped at the first rung below a cutoff ASHA recorded on its
-    run, the strong one finishes with both seeds (a seed spread), and `proxydml report` of the
-    sweep shows all of it in headless Chromium, with Optuna's fANOVA importances."""
+def test_killed_asha_sweep_resumes_and_its_page_explains_it_in_chromium(ray_cluster, tmp_path, local_mlflow,
+                                                                        browser):
+    """A learning rate that works on digits and one too large (MAP@R ~0.34 against ~0.24), each
+    with two seeds, one trial at a time under ASHA. The driver gets SIGKILL once the third trial
+    has a run, and the same command runs again: trials that had ended keep their records (not
+    run again, a stopped one stays stopped), a trial the saved sweep state never held is closed
+    and tagged. The weak config is stopped at the first rung below the cutoff ASHA recorded on
+    its run, the strong one finishes with both seeds (a seed spread), and `proxydml report` of
+    the sweep shows it all in headless Chromium, with Optuna's fANOVA importances."""
+    import ray
+
     from services import report, sweep_page
 
     space = tmp_path / "lr_seed.yaml"
     space.write_text("optim.lr: {grid: [1.0e-3, 3.0e-2]}\ntrain.seed: {grid: [0, 1]}\n")
-    base = digits_config(local_mlflow, tmp_path / "runs", workers=1)  # full epochs: the lr shows at the first
-    out = sweep.run_sweep(base, space, samples=1, scheduler="asha", search="grid", max_concurrent=1)
+    args = [sys.executable, "-m", "services.cli", "tune", "--space", str(space), "--samples", "1", "--search", "grid",
+            "--max-concurrent", "1", "--scheduler", "asha", "--address", ray.get_runtime_context().gcs_address,
+            "train.epochs=2", "scaling.num_workers=1",  # full digits epochs: the lr shows at the first
+            f"tracking.tracking_uri={local_mlflow}", f"tracking.storage_path={tmp_path / 'runs'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     client = MlflowClient(local_mlflow)
-    children = _children(client, out.parent_run_id)
-    assert len(children) == 4
+
+    first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()[-3000:]
+        parents = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                     filter_string="tags.kind = 'sweep'")
+        if parents and len(_children(client, parents[0].info.run_id)) >= 3:
+            break
+        time.sleep(0.2)
+    first.kill()
+    first.wait(timeout=60)
+    parent_id = parents[0].info.run_id
+    time.sleep(2)  # what the killed driver's trial was writing lands now, or never
+    ended_before = {c.data.tags["trial_id"]: client.get_metric_history(c.info.run_id, "map_at_r")
+                    for c in _children(client, parent_id)
+                    if c.info.status == "FINISHED" or "asha.rung" in c.data.tags}
+    assert ended_before  # the first trial at least
+
+    second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "(resumed)" in second.stdout
+    every = _children(client, parent_id)
+    lost = [c for c in every if sweep.LOST_TAG in c.data.tags]
+    assert all(c.info.status != "RUNNING" for c in lost)
+    children = [c for c in every if sweep.LOST_TAG not in c.data.tags]
+    # Every grid point ran. A trial that started and ended between two saves of the sweep state
+    # is adopted from its run, and the restored grid may run its point once more.
+    points = {(c.data.params["optim.lr"], c.data.params["train.seed"]) for c in children}
+    assert len(points) == 4 and len({c.data.tags["trial_id"] for c in children}) == len(children) >= 4
+    for c in every:
+        if c.data.tags["trial_id"] in ended_before:
+            assert client.get_metric_history(c.info.run_id, "map_at_r") == ended_before[c.data.tags["trial_id"]]
+
     stopped = [c for c in children if c.info.status == "KILLED"]
     seen = [(c.data.params["optim.lr"], c.data.params["train.seed"], c.info.status, c.data.metrics.get("map_at_r"))
             for c in children]
@@ -211,16 +253,16 @@ def test_sweep_page_explains_an_asha_sweep_in_chromium(ray_cluster, tmp_path, lo
         tags = child.data.tags
         assert (child.info.status == "KILLED") == ("asha.rung" in tags), tags
         assert tags["trial_cpus"] == "1" and tags["trial_gpus"] == "0"
-        if "asha.rung" in tags:  # the value ASHA compared is the run's logged metric at that rung
-            (at_rung,) = [m.value for m in client.get_metric_history(child.info.run_id, "map_at_r")]
-            assert tags["asha.rung"] == "1" and float(tags["asha.value"]) == at_rung < float(tags["asha.cutoff"])
+        if "asha.rung" in tags:  # the value ASHA compared is the run's logged metric at that epoch
+            at = [m.value for m in client.get_metric_history(child.info.run_id, "map_at_r")
+                  if m.step == int(tags["asha.epoch"])]
+            assert tags["asha.rung"] == "1" and float(tags["asha.value"]) == at[-1] < float(tags["asha.cutoff"])
             assert int(tags["asha.rung_trials"]) >= 1
-    by_trial = {t["trial_id"]: t for t in out.trials}
-    assert {c.data.tags["trial_id"] for c in stopped} == {k for k, t in by_trial.items() if t["asha"]}
 
     page = tmp_path / "sweep.html"
-    report.build_report([out.parent_run_id], out=page, tracking_uri=local_mlflow, log=False)
-    swept = sweep_page.collect_sweep(client, client.get_run(out.parent_run_id))
+    report.build_report([parent_id], out=page, tracking_uri=local_mlflow, log=False)
+    swept = sweep_page.collect_sweep(client, client.get_run(parent_id))
+    assert len(swept.trials) == len(children)  # a lost trial's run is not one of the sweep's trials
     browser.get(page.as_uri())
     section = browser.find_element("css selector", "#sweep")
     browser.execute_script("arguments[0].scrollIntoView()", section)
@@ -228,11 +270,11 @@ def test_sweep_page_explains_an_asha_sweep_in_chromium(ray_cluster, tmp_path, lo
              for row in browser.find_elements("css selector", "table.importance tbody tr")}
     assert shown == pytest.approx(sweep_page.importances(swept), abs=5e-5) and shown["optim.lr"] > 0.5
     rung = [td.text for td in browser.find_elements("css selector", "table.rungs tbody td")]
-    assert rung[:3] == ["1", "4", str(len(stopped))], rung
+    assert rung[:3] == ["1", str(len(children)), str(len(stopped))], rung
     spread = [td.text for td in browser.find_elements("css selector", "table.seeds tbody td")]
-    assert spread[:3] == ["optim.lr=0.001", "2", "0, 1"], spread
+    assert spread[0] == "optim.lr=0.001" and set(spread[2].split(", ")) == {"0", "1"}, spread
     cost = [td.text for td in browser.find_elements("css selector", "table.sweep-cost tbody td")]
-    assert cost[0] == "4" and float(cost[1]) > 0 and float(cost[2]) > 0, cost
+    assert cost[0] == str(len(children)) and float(cost[1]) > 0 and float(cost[2]) > 0, cost
     sizes = browser.execute_script("return Array.from(document.querySelectorAll('#sweep ~ .plots img'))"
                                    ".map(i => i.complete ? i.naturalWidth : 0)")
     assert len(sizes) == 2 and min(sizes) > 400, sizes  # parallel coordinates and the scatter, decoded

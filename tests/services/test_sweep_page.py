@@ -178,7 +178,7 @@ def test_recording_asha_decides_as_ray_and_records_each_stop_with_its_cutoff():
                 if a == "STOP":
                     if epoch < 8:
                         # The cutoff: the median (rf 2) of what the rung had recorded before.
-                        assert stops[tid] == {"rung": epoch, "value": result["map_at_r"],
+                        assert stops[tid] == {"rung": epoch, "epoch": epoch, "value": result["map_at_r"],
                                               "cutoff": pytest.approx(np.percentile(before, 50), abs=1e-15),
                                               "rung_trials": len(before)}
                         assert stops[tid]["value"] < stops[tid]["cutoff"]

@@ -187,3 +187,28 @@ def test_a_grid_runs_its_points_at_once_where_the_cluster_holds_them(tmp_path):
                             cluster_cpus=8 * per_trial)
     assert trial_count(spec.space, spec.samples, spec.search) == 12
     assert spec.max_concurrent == 8
+
+
+def test_the_ranked_table_of_a_large_sweep_stays_short(capsys, tmp_path, monkeypatch):
+    """200 trials: the console ends with the 20 best, the failed ones (up to 10 more, each with
+    its error) and where every trial is; not 200 rows."""
+    from services import cli
+
+    trials = [{"trial_id": f"t{i:03d}", "params": {"optim.lr": 1e-3}, "metric": i / 1000, "epochs": 4, "error": None}
+              for i in range(188)]
+    trials += [{"trial_id": f"f{i:02d}", "params": {"optim.lr": 1e-2}, "metric": None, "epochs": 1,
+                "error": f"RuntimeError('boom {i}')\nTraceback"} for i in range(12)]
+
+    def done(base, space, **kwargs):
+        return sweep.SweepOutcome("s", "0" * 32, trials, None, False)
+
+    monkeypatch.setattr(sweep, "run_sweep", done)
+    assert cli.main(["tune", "--space", "digits_quick", "--samples", "200",
+                     f"tracking.storage_path={tmp_path / 'runs'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("  t") or line.startswith("  f")]
+    assert [r.split()[0] for r in rows[:20]] == [f"t{i:03d}" for i in range(187, 167, -1)]
+    assert [r.split()[0] for r in rows[20:]] == [f"f{i:02d}" for i in range(10)]
+    assert sum("failed: RuntimeError('boom" in line for line in lines) == 10
+    assert f"  ... 170 more (every trial: proxydml report {'0' * 32})" in lines
+    assert len(lines) < 60
