@@ -136,15 +136,23 @@ def ended_trial(cfg: Config, uri: str) -> dict[str, float] | None:
     with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]):
         exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
         run = find_run(client, exp.experiment_id, cfg) if exp is not None else None
-    if run is None:
-        return None
-    if "asha.rung" in run.data.tags:
-        epoch = int(run.data.tags.get("asha.epoch", run.data.tags["asha.rung"]))
-    elif run.info.status == "FINISHED":
-        epoch = cfg.train.epochs
-    else:
-        return None
-    return {**run.data.metrics, "epoch": epoch}
+    epoch = trial_end_epoch(run, cfg.train.epochs) if run is not None else None
+    return None if epoch is None else {**run.data.metrics, "epoch": epoch}
+
+
+def trial_end_epoch(run: Run, epochs: int) -> int | None:
+    """The epoch sweep trial ``run`` ended at: the one ASHA stopped it at (``asha.epoch``), or
+    ``epochs`` when it FINISHED. None while it has not ended."""
+    stop = asha_stop(run.data.tags)
+    if stop:
+        return int(stop.get("epoch", stop["rung"]))
+    return epochs if run.info.status == "FINISHED" else None
+
+
+def asha_stop(tags: dict[str, str]) -> dict[str, float]:
+    """The ``asha.*`` tags of a trial's run (see :func:`record_asha_stop`) as numbers; empty
+    when ASHA did not stop it."""
+    return {k.removeprefix("asha."): float(v) for k, v in tags.items() if k.startswith("asha.")}
 
 
 def open_run(cfg: Config, uri: str | None = None, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:

@@ -645,9 +645,9 @@ class _RecordingASHA(ASHAScheduler):
     def _rung_and_cutoff(self, trial_id: str, result: dict) -> dict[str, float] | None:
         """The rung this result is about to be judged at, as ASHA's bracket picks it (the
         highest milestone reached that has not recorded the trial: past it when a resumed sweep's
-        fresh rungs meet a restored trial), and the cutoff there. None
-        at the last epoch (every trial stops there), below the first rung, or where the rung
-        has no value yet. Reads the bracket's state: the pinned Ray's ``_Bracket``."""
+        fresh rungs meet a restored trial), and the cutoff there. None at the last epoch (every
+        trial stops there), below the first rung, or where the rung has no value yet. Reads the
+        bracket's state: the pinned Ray's ``_Bracket``."""
         epoch, value = result.get(self._time_attr), result.get(self._metric)
         bracket = self._trial_info.get(trial_id)
         if epoch is None or value is None or bracket is None or epoch >= self._max_t:
@@ -710,7 +710,7 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     holds = {"cpus": workers * spec.base.scaling.cpus_per_worker, "gpus": workers if wants_gpu(spec.base) else 0}
     progress = _SweepProgressCallback(spec, cpus=holds["cpus"], gpus=holds["gpus"])
     if one_process:  # the trial trains in its own process: it holds the worker's resources
-        resources = {"cpu": spec.base.scaling.cpus_per_worker, "gpu": 1 if wants_gpu(spec.base) else 0}
+        resources = {"cpu": holds["cpus"], "gpu": holds["gpus"]}
     else:  # the trial driver only waits on its Train workers: a sliver of a CPU (docs/operations.md)
         resources = {"cpu": 0.01}
     trainable = tune.with_resources(
@@ -794,9 +794,9 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     if on_progress is not None:
         _PROGRESS_SINKS[name] = on_progress
     # Tune saves the sweep's state (its trials and their checkpoints) every 10 s or more by default,
-    # so a driver killed in between loses the trials started since: their runs are left behind
-    # (sweep.close_trial_runs tags them) and Tune runs others in their place. Every second keeps
-    # that window to about one trial start; the state is a few KB per trial.
+    # so a driver killed in between loses the trials started since: Tune runs others in their
+    # place (sweep.close_trial_runs adopts the lost runs that had ended and tags the rest). Every
+    # second keeps that window to about one trial start; the state is a few KB per trial.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     stops: dict[str, dict[str, float]] = {}
 
@@ -817,13 +817,14 @@ def tune_sweep(spec: SweepSpec, *, parent_run_id: str, mlflow_uri: str, storage_
     trials = []
     for result in grid:
         metrics = result.metrics or {}
+        trial_id = metrics.get("trial_id") or Path(result.path).name
         trials.append({
-            "trial_id": metrics.get("trial_id") or Path(result.path).name,
+            "trial_id": trial_id,
             "params": dict(result.config or {}),
             "metric": metrics.get(spec.metric),
             "epochs": metrics.get("epoch"),
             "error": repr(result.error) if result.error else None,
-            "asha": stops.get(metrics.get("trial_id") or Path(result.path).name),
+            "asha": stops.get(trial_id),
         })
     if study_storage is None:
         return trials, None

@@ -103,16 +103,15 @@ def close_trial_runs(spec: SweepSpec, uri: str, parent_id: str, trials: list[dic
 def _ended_orphan(spec: SweepSpec, run: Any) -> dict[str, Any] | None:
     """The trial record of a run Tune lost that had ended (FINISHED, or stopped by ASHA: its
     ``asha.*`` tags), as :func:`runtime.tune_sweep` reports trials; None if it had not."""
-    tags, params = run.data.tags, run.data.params
-    if "asha.rung" in tags:
-        epochs = int(tags.get("asha.epoch", tags["asha.rung"]))
-        asha = {k.removeprefix("asha."): float(v) for k, v in tags.items() if k.startswith("asha.")}
-    elif run.info.status == "FINISHED":
-        epochs, asha = spec.base.train.epochs, None
-    else:
+    from services.mlflow_tracking import asha_stop, trial_end_epoch
+
+    epochs = trial_end_epoch(run, spec.base.train.epochs)
+    if epochs is None:
         return None
+    tags, params = run.data.tags, run.data.params
     return {"trial_id": tags["trial_id"], "params": {d.key: d.value_of(params[d.key]) for d in spec.space},
-            "metric": run.data.metrics.get(spec.metric), "epochs": epochs, "error": None, "asha": asha}
+            "metric": run.data.metrics.get(spec.metric), "epochs": epochs, "error": None,
+            "asha": asha_stop(tags) or None}
 
 
 def finish_parent_run(spec: SweepSpec, uri: str, parent_id: str, trials: list[dict[str, Any]],

@@ -27,10 +27,11 @@ from typing import Any
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from services.mlflow_tracking import asha_stop
 from services.search_space import Dimension
 from services.sweep import LOST_TAG, write_sweep_plots
 
-SEED_KEYS = ("train.seed",)  # a config "repeats" when only these differ
+SEED_KEY = "train.seed"  # a config "repeats" when only this differs
 
 
 def is_sweep_run(run: Run) -> bool:
@@ -93,7 +94,7 @@ def collect_sweep(client: MlflowClient, parent: Run) -> Sweep:
             start_ms=child.info.start_time, end_ms=child.info.end_time,
             cpus=float(t.get("trial_cpus", workers * float(p.get("scaling.cpus_per_worker", 1)))),
             gpus=float(t.get("trial_gpus", 0)),
-            asha={k.removeprefix("asha."): float(v) for k, v in t.items() if k.startswith("asha.")},
+            asha=asha_stop(t),
         ))
     epochs = max((int(c.data.params.get("train.epochs", 0)) for c in children), default=0)
     # No ``mode`` tag: maximised (every metric a sweep may score on is a retrieval metric).
@@ -197,21 +198,21 @@ def cost(sweep: Sweep) -> Cost:
 
 @dataclass
 class Repeat:
-    params: dict[str, Any]  # the config's searched values, seed keys left out
+    params: dict[str, Any]  # the config's searched values, the seed left out
     values: list[float]  # the metric of each full-length run of it
     seeds: list[Any]
 
 
 def repeats(sweep: Sweep) -> list[Repeat]:
-    """Configs that ran to the last epoch more than once (differing at most in a seed key)."""
+    """Configs that ran to the last epoch more than once (differing at most in the seed)."""
     groups: dict[str, Repeat] = {}
     for t in scored(sweep):
         if t.epochs < sweep.epochs:
             continue  # a stopped trial's value is from an earlier epoch: not comparable
-        same = {k: v for k, v in t.params.items() if k not in SEED_KEYS}
+        same = {k: v for k, v in t.params.items() if k != SEED_KEY}
         rep = groups.setdefault(repr(sorted(same.items())), Repeat(same, [], []))
         rep.values.append(t.value)
-        rep.seeds.append(t.params.get("train.seed", "—"))
+        rep.seeds.append(t.params.get(SEED_KEY, "—"))
     return [r for r in groups.values() if len(r.values) > 1]
 
 
