@@ -143,3 +143,17 @@ def test_pipelines_import_graph_has_no_circle():
 def test_function_level_imports_in_pipelines_are_for_start_up_cost_only(path):
     _, lazy = _run_time_imports(path)
     assert lazy <= LAZY_FOR_START_UP, f"{path.name} imports {lazy - LAZY_FOR_START_UP} inside a function"
+
+
+def test_torchvision_is_imported_at_module_level_only_where_nothing_imports_that_module_eagerly():
+    """torchvision imports torch._dynamo (~2 CPU-s a process here): every Train worker, trial
+    and CLI process would pay it on digits, which never transforms a PIL image. Only the folder
+    loader (a torchvision ImageFolder) imports it at module level, and that loader itself only
+    from a function."""
+    eager = {_module(p) for p in _files("pipelines") + _files("services")
+             if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torchvision" in ast.unparse(n)
+                    for n in ast.parse(p.read_text()).body)}
+    assert eager == {"pipelines.data.folder"}, eager
+    importers = [_module(p) for p in _files("pipelines") + _files("services")
+                 if "pipelines.data.folder" in _run_time_imports(p)[0]]
+    assert not importers, importers

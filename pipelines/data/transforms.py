@@ -17,7 +17,6 @@ from typing import BinaryIO
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision import transforms as T
 
 from pipelines.config import DataConfig
 from pipelines.data.types import DataError
@@ -27,6 +26,10 @@ Transform = Callable[[Image.Image], torch.Tensor]
 
 def train_transform(cfg: DataConfig, size: int) -> Transform:
     """PIL image -> (3, size, size) float in [0, 1]; ``size`` 0 keeps the native size (no crop)."""
+    # Imported here: torchvision pulls in torch._dynamo (~2 CPU-s per process on 2 cores), which
+    # every Train worker, trial and CLI process would pay although digits never transforms a PIL image.
+    from torchvision import transforms as T
+
     steps: list = []
     if size:
         steps.append(T.RandomResizedCrop(size, scale=(cfg.crop_scale_min, 1.0), antialias=True))
@@ -42,6 +45,8 @@ def eval_size(cfg: DataConfig, size: int) -> int:
 
 def eval_transform(cfg: DataConfig, size: int) -> Transform:
     """PIL image -> (3, s, s) float in [0, 1], s = ``eval_size(cfg, size)``: resize short side, centre crop."""
+    from torchvision import transforms as T  # start-up cost, as in train_transform
+
     if not size:
         return T.Compose([T.ToTensor()])
     crop = eval_size(cfg, size)
