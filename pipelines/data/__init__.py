@@ -8,10 +8,12 @@ equal within the evaluation set. ``build_datasets`` is the one entry point the t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -40,15 +42,26 @@ if TYPE_CHECKING:  # the config imports DATASETS to check data.name: no import b
 # that `proxydml --help`, `stack` and `config` never need.
 
 
+def digits_file() -> Path:
+    """scikit-learn's copy of the digits table, found without importing scikit-learn.
+
+    ``sklearn.datasets.load_digits`` reads this same file, but importing ``sklearn.datasets``
+    costs ~1.7 CPU-s (measured: 2.0 CPU-s for import and load against 0.3 CPU-s for this
+    read), paid by every Train worker and trial of a digits run.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        raise DataError("data.name=digits needs scikit-learn installed (it ships the digits table)")
+    return Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+
+
 def _digits(cfg: DataConfig) -> DataSplit:
     """scikit-learn's 8x8 handwritten digits: train on 0-4, evaluate on the unseen 5-9."""
-    from sklearn.datasets import load_digits
-
     from pipelines.data.transforms import eval_size
 
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(bunch.target, dtype=torch.long)
+    table = np.loadtxt(digits_file(), delimiter=",")  # 1797 rows: 64 pixels (0-16), then the label
+    images = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32) / 16.0
+    labels = torch.tensor(table[:, -1], dtype=torch.long)
     def at(size: int, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.interpolate(x, size=size, mode="bilinear") if size and size != 8 else x
 

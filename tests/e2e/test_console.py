@@ -76,7 +76,7 @@ def test_train_in_a_terminal_shows_a_progress_bar_and_no_library_chatter(tmp_pat
     db = tmp_path / "mlflow.db"
     code, shown = run_in_terminal(
         [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
-         "data.image_size=64", f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{db}"],
+         "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{db}"],
         cwd=tmp_path)
     assert code == 0, shown
     # The bar of epoch 1, drawn on the driver from rank 0's state: description, percentage, rate.

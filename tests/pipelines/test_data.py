@@ -125,6 +125,18 @@ def test_every_dataset_is_registered():
     assert {"digits", "folder", "emoji", "cub", "cars", "sop", "inshop"} <= set(DATASETS)
 
 
+def test_digits_are_scikit_learns_digits_read_without_importing_it():
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    split = build_datasets(DataConfig(name="digits", image_size=8))
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(bunch.target)
+    assert torch.equal(split.train.images, images[labels < 5]) and torch.equal(split.test.images, images[labels >= 5])
+    assert torch.equal(split.train.labels, labels[labels < 5]) and torch.equal(split.test.labels, labels[labels >= 5])
+    assert split.num_classes == 5 and len(split.train) == 901 and len(split.test) == 896
+
+
 def test_cub_layout_splits_first_half_of_classes(tmp_path):
     make_cub(tmp_path / "CUB_200_2011")
     split = build_datasets(_cfg("cub", tmp_path))  # the parent folder also works
