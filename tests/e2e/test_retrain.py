@@ -39,8 +39,8 @@ from PIL import Image
 from services import index as index_mod
 from services import registry, retrain
 from services.cli import main as cli_main
-from services.s3 import Credentials, s3_client
-from services.snapshots import write_manifest
+from services.s3 import Credentials
+from services.snapshots import push_dataset, write_manifest
 from services.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -240,13 +240,13 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     assert out.startswith("snapshot digits-2024-02-B") and "already done: model digits-embedder version 3" in out
     assert "nothing retrained" in out
     # The same snapshot from S3 (downloaded and verified into a cache): the same key.
-    s3 = s3_client(stack.s3_endpoint, CREDS)
-    for path in sorted(snapshots["B"].rglob("*")):
-        if path.is_file():
-            s3.upload_file(str(path), stack.bucket, f"snapshots/B/{path.relative_to(snapshots['B']).as_posix()}")
     monkeypatch.setenv("AWS_ENDPOINT_URL", stack.s3_endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
+    # Uploaded as `proxydml data push` does, under the snapshot's own id: the same files, so the
+    # same manifest checksum and retrain key.
+    pushed = push_dataset(snapshots["B"], f"s3://{stack.bucket}/snapshots/B", "digits-2024-02-B")
+    assert pushed["checksum"] == json.loads((snapshots["B"] / "manifest.json").read_text())["checksum"]
     monkeypatch.setenv("PROXYDML_CACHE", str(tmp_path / "cache"))
     code, out, err, timings["repeat (from S3)"] = _cli(
         capsys, _args(stack, f"s3://{stack.bucket}/snapshots/B", storage, *BETTER))

@@ -122,21 +122,22 @@ def _cub_like(root: Path) -> Path:
 
 
 def _count_downloads(monkeypatch) -> list[str]:
-    """Keys downloaded by :mod:`services.snapshots` from now on (every thread)."""
+    """Data files (not manifests) downloaded by :mod:`services.snapshots` from now on (every thread)."""
     downloaded: list[str] = []
     lock = threading.Lock()
     real = snapshots.s3_client
 
     def counting_client():
         client = real()
-        original = client.download_file
+        original = client.get_object
 
-        def download_file(bucket, key, filename, *args, **kwargs):
-            with lock:
-                downloaded.append(key)
-            return original(bucket, key, filename, *args, **kwargs)
+        def get_object(*, Bucket, Key, **kwargs):
+            if not Key.endswith(f"/{snapshots.MANIFEST}"):
+                with lock:
+                    downloaded.append(Key)
+            return original(Bucket=Bucket, Key=Key, **kwargs)
 
-        client.download_file = download_file
+        client.get_object = get_object
         return client
 
     monkeypatch.setattr(snapshots, "s3_client", counting_client)
