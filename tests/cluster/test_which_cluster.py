@@ -3,12 +3,14 @@ one a stale /tmp/ray/ray_current_cluster names), ``--address auto`` the running 
 address where no cluster answers one line and exit 2 at once.
 
 Every command runs with its own Ray temp folder ($RAY_TMPDIR): the stale file written here
-must not reach other Ray users on this machine.
+must not reach other Ray users on this machine. A plain ``proxydml train`` under such a stale
+file is the piped run of ``tests/e2e/test_console.py`` (one train command shows both).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,17 +31,21 @@ def _dead_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"  # closed on exit: nothing listens there
 
 
-@pytest.fixture
-def stale_ray_tmp():
+def stale_ray_folder() -> tuple[Path, str]:
     """A Ray temp folder whose ray_current_cluster names a dead cluster, as a killed
-    ``ray.cluster_utils.Cluster`` leaves it. Short: Ray's socket paths must fit 107 bytes."""
+    ``ray.cluster_utils.Cluster`` leaves it, and that address. Short: Ray's socket paths must
+    fit 107 bytes. The caller removes it."""
     folder = Path(tempfile.mkdtemp(prefix="pdml-ray-", dir="/tmp"))
     dead = _dead_address()
     (folder / "ray").mkdir()
     (folder / "ray" / "ray_current_cluster").write_text(dead)
-    yield folder, dead
-    import shutil
+    return folder, dead
 
+
+@pytest.fixture
+def stale_ray_tmp():
+    folder, dead = stale_ray_folder()
+    yield folder, dead
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -97,15 +103,3 @@ def no_mlflow_runs(uri: str) -> bool:
         return True
     client = MlflowClient(uri)
     return not client.search_runs([e.experiment_id for e in client.search_experiments()])
-
-
-def test_a_stale_current_cluster_file_does_not_stop_a_plain_train(stale_ray_tmp, tmp_path):
-    """Before: ``ValueError: When connecting to an existing cluster, num_cpus and num_gpus must
-    not be provided`` (ray.init read the file and tried to join the dead cluster)."""
-    ray_tmp, _ = stale_ray_tmp
-    out = _cli(["train", "train.epochs=1", "train.max_steps_per_epoch=2", "scaling.num_workers=1",
-                f"tracking.storage_path={tmp_path / 'runs'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
-               tmp_path, ray_tmp, timeout=400)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "unseen-class retrieval" in out.stdout
-    assert any((tmp_path / "runs").rglob("model.pt"))
