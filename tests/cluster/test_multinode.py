@@ -38,6 +38,7 @@ from services.s3 import Credentials, s3_client
 from services.stack import Stack
 from tests.cluster.test_which_cluster import no_mlflow_runs
 from tests.distributed import whole_run_workers as replay
+from tests.distributed.launch import launch
 from tests.distributed.test_whole_run import LOSS_REL, STATE_TOL
 from tests.e2e.test_retrain import write_digits_snapshot
 
@@ -192,15 +193,14 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _replay(schedule: dict[int, int], data_root: Path, extra: list[str], out: Path) -> Path:
-    """The same run on a fixed worker count per epoch range (torch spawn + gloo, no Ray), each
+    """The same run on a fixed worker count per epoch range (forked torch workers + gloo, no Ray), each
     range resuming from the checkpoint the previous one wrote: the elastic run's schedule."""
     starts = sorted(schedule)
     for i, first in enumerate(starts):
         last = starts[i + 1] - 1 if i + 1 < len(starts) else EPOCHS
         world = schedule[first]
         store = out.parent / f"store-{first}"
-        torch.multiprocessing.spawn(replay.train_worker, nprocs=world, join=True,
-                                    args=(world, str(store), str(data_root), str(out), [*extra, f"train.epochs={last}"]))
+        launch(replay.train_worker, world, (world, str(store), str(data_root), str(out), [*extra, f"train.epochs={last}"]))
     return out / f"checkpoint_{EPOCHS:06d}"
 
 

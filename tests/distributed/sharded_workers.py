@@ -1,9 +1,9 @@
-"""Worker code of the class-sharding tests, run by torch.multiprocessing spawn children.
+"""Worker code of the class-sharding tests, run in forked children (tests/distributed/launch.py).
 
 A module of its own (not a test file): pytest's importlib mode gives test files names that
-a spawned child cannot import. Every worker builds the W = 1 reference in-process (no
+a child process cannot import. Every worker builds the W = 1 reference in-process (no
 process group involved) and the sharded version on its rank, and compares the parts it
-owns, so a mismatch raises in the child with a readable message and fails the spawn.
+owns, so a mismatch raises in the child with a readable message and fails the launch.
 """
 
 from __future__ import annotations

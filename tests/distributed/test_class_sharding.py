@@ -5,7 +5,7 @@ batch, W = 2 and W = 4 give the W = 1 loss, embedding and proxy gradients and Pr
 state/queue (float64: 1e-9; float32 with a bf16-autocast embedder: 1e-5), and after 5
 optimiser steps (DDP embedder + sharded proxies, Adam) every parameter matches. A checkpoint
 written by 2 workers resumes on 1 and on 3 workers with the same losses as an uninterrupted
-run. One spawn per world size runs all the losses (the workers are in sharded_workers.py).
+run. One launch per world size runs all the losses (the workers are in sharded_workers.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from tests.distributed import sharded_workers as workers
+from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _spawn(fn, world: int, tmp_path: Path, *args) -> None:
     store = tmp_path / f"store-{fn.__name__}-w{world}"
-    torch.multiprocessing.spawn(fn, args=(world, str(store), *args), nprocs=world, join=True)
+    launch(fn, world, (world, str(store), *args))
 
 
 @pytest.mark.parametrize("world", [2, 4])

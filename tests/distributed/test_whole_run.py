@@ -19,6 +19,7 @@ import torch
 
 from pipelines.train import TIMING_METRICS, evaluate_checkpoint
 from tests.distributed import whole_run_workers as workers
+from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,8 +41,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
     def spawn(name: str, world: int, *extra: str, folder: str | None = None) -> None:
         dest = tmp / (folder or name)
-        torch.multiprocessing.spawn(workers.train_worker, nprocs=world, join=True,
-                                    args=(world, str(tmp / f"store-{name}"), str(data), str(dest), list(extra)))
+        launch(workers.train_worker, world, (world, str(tmp / f"store-{name}"), str(data), str(dest), list(extra)))
         out[folder or name] = dest
 
     for world in (1, 2, 4):

@@ -1,4 +1,4 @@
-"""Worker code of the whole-run equivalence tests, run by torch.multiprocessing spawn children.
+"""Worker code of the whole-run equivalence tests, run in forked children (tests/distributed/launch.py).
 
 Each child joins a gloo group over loopback and runs the real training recipe
 (``pipelines.train.run``) on a small image folder, writing its checkpoints through a
