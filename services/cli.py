@@ -56,7 +56,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(f"{k:16s} {out.metrics[k]:.4f}")
         print(f"\nMLflow run  : {out.mlflow_run_id} ({out.tracking_uri})")
         print(f"checkpoint  : {out.checkpoint_path}")
-        print(f"run name    : {out.run_name}{' (resumed)' if out.resumed else ''}")
+        state = " (already finished: nothing trained)" if out.already_finished else " (resumed)" if out.resumed else ""
+        print(f"run name    : {out.run_name}{state}")
         print(f"log         : {log} (everything, library output included)")
         print(f"wall time   : {time.monotonic() - started:.0f} s")
     return 0

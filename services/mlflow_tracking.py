@@ -128,14 +128,39 @@ def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Run | None:
     return found[0] if found else None
 
 
+def run_of(cfg: Config, uri: str) -> Run | None:
+    """The MLflow run of ``cfg`` (looked up by :func:`find_run` in its experiment), or None
+    when neither exists yet. Needs READ on the experiment only."""
+    client = MlflowClient(uri)
+    with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]):
+        exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
+        return find_run(client, exp.experiment_id, cfg) if exp is not None else None
+
+
+def finished_training(cfg: Config, uri: str) -> tuple[Run, dict[str, float]] | None:
+    """``cfg``'s run when it FINISHED with at least ``cfg.train.epochs`` epochs trained: (the run,
+    its last epoch's metrics from the final checkpoint's trainer_state.json, the record the run
+    logged as ``checkpoint/``). None when there is more to train or no such record."""
+    run = run_of(cfg, uri)
+    if run is None or run.info.status != "FINISHED" or "ray_checkpoint_path" not in run.data.tags:
+        return None
+    with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]), \
+            tempfile.TemporaryDirectory(prefix="proxydml-state-") as tmp:
+        try:
+            state = json.loads(Path(MlflowClient(uri).download_artifacts(
+                run.info.run_id, "checkpoint/trainer_state.json", tmp)).read_text())
+        except (mlflow.exceptions.MlflowException, OSError):
+            return None  # no final checkpoint recorded with the run
+    if state.get("epoch", 0) < cfg.train.epochs or not state.get("history"):
+        return None
+    return run, state["history"][-1]
+
+
 def ended_trial(cfg: Config, uri: str) -> dict[str, float] | None:
     """Where sweep trial ``cfg`` ended, if its run says it did: the run's last metrics and
     ``epoch`` (the last one when the run FINISHED, the one ASHA stopped it at: tag
     ``asha.epoch``). None when the trial has no run yet or is still to go on."""
-    client = MlflowClient(uri)
-    with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]):
-        exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
-        run = find_run(client, exp.experiment_id, cfg) if exp is not None else None
+    run = run_of(cfg, uri)
     epoch = trial_end_epoch(run, cfg.train.epochs) if run is not None else None
     return None if epoch is None else {**run.data.metrics, "epoch": epoch}
 

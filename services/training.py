@@ -13,11 +13,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 from pipelines.config import Config, ConfigError
 from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels, with_absolute_root
 from pipelines.models import EmbeddingModel
 from services import mlflow_tracking as mt
-from services import runtime
+from services import registry, runtime
 from services.cluster import require_shared_state
 from services.snapshots import install_data_resolver
 
@@ -30,6 +32,7 @@ class TrainOutcome:
     checkpoint_path: str | None
     metrics: dict[str, float]
     resumed: bool
+    already_finished: bool = False  # every epoch was trained before: nothing ran this time
 
 
 def resolve_for_workers(cfg: Config, *, sweep: bool = False) -> Config:
@@ -70,6 +73,21 @@ def preflight(cfg: Config) -> int:
     return split.num_classes
 
 
+def already_trained(cfg: Config, uri: str, *, log_model: bool) -> TrainOutcome | None:
+    """The recorded result of ``cfg``'s run when it FINISHED every epoch (and logged its model,
+    when ``log_model``), else None. Such a run is not handed to Ray again: its workers would
+    only load the last checkpoint and stop, and the run would log its model a second time."""
+    found = mt.finished_training(cfg, uri)
+    if found is None:
+        return None
+    run, metrics = found
+    if log_model and registry.logged_model_of_run(MlflowClient(uri), run.info.run_id)[1] is None:
+        return None  # trained without its model logged: the full path logs it
+    return TrainOutcome(run_name=cfg.run_name(), mlflow_run_id=run.info.run_id, tracking_uri=uri,
+                        checkpoint_path=run.data.tags["ray_checkpoint_path"], metrics=metrics, resumed=True,
+                        already_finished=True)
+
+
 def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
           show_progress: bool = False, log_file: Path | None = None) -> TrainOutcome:
     """Train (or resume) ``cfg`` on Ray; ``show_progress``: rank 0's per-epoch bar on this console;
@@ -78,6 +96,9 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
     preflight(cfg)
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
     mt.check_can_log(cfg, uri)  # a refused MLflow login fails here, before Ray starts (one line)
+    done = already_trained(cfg, uri, log_model=log_model)
+    if done is not None:
+        return done
     runtime.ensure_ray(address)
     # Before the MLflow run exists: a node-local setting on a multi-node cluster leaves nothing.
     require_shared_state(cfg, uri, runtime.alive_nodes())
@@ -99,7 +120,7 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
                     # config.yaml also at the run's top level; log_artifacts copies it into its spool.
                     shutil.copy(Path(d) / "config.yaml", Path(cfg_dir) / "config.yaml")
                     tracker.log_artifacts(Path(cfg_dir), None)
-                if "epoch" not in metrics:  # the run was already complete: report its last epoch
+                if "epoch" not in metrics:  # complete in storage but not in MLflow: its last epoch
                     state = json.loads((Path(d) / "trainer_state.json").read_text())
                     metrics = state["history"][-1] if state.get("history") else {}
                 if log_model:

@@ -70,12 +70,13 @@ def trained(ray_cluster, stack, digits_config):
         client = MlflowClient(stack.tracking_uri)
         after_two = {k: [(m.step, m.value) for m in client.get_metric_history(first.mlflow_run_id, k)]
                      for k in ("map_at_r", "loss")}
-        second = training.train(digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT,
-                                              epochs=3, steps=6))
+        third_epoch = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", STACK_EXPERIMENT, epochs=3, steps=6)
+        second = training.train(third_epoch)
+        again = training.train(third_epoch)
     client = MlflowClient(stack.tracking_uri)
     registry.register_version(client, MODEL, run_id=second.mlflow_run_id, tags={}, description="stack e2e",
                               promote_it=True)
-    return cfg, first, second, after_two
+    return cfg, first, second, after_two, again
 
 
 def _bucket_keys(stack: Stack) -> list[str]:
@@ -83,13 +84,17 @@ def _bucket_keys(stack: Stack) -> list[str]:
 
 
 def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
-    cfg, first, second, after_two = trained
+    cfg, first, second, after_two, again = trained
     assert first.checkpoint_path.startswith(f"s3://{stack.bucket}/ray/{cfg.run_name()}/checkpoint_")
     assert [step for step, _ in after_two["map_at_r"]] == [1, 2]
     assert not first.resumed and first.metrics["epoch"] == 2 and METRIC_KEYS <= set(first.metrics)
     assert first.metrics["recall_at_1"] > 0.5  # digits 5-9 unseen in training: chance R@1 ~ 0.2
     # The same run started again with one more epoch resumes from epoch 2, in the same MLflow run.
     assert second.resumed and second.mlflow_run_id == first.mlflow_run_id and second.metrics["epoch"] == 3
+    # Once more with nothing left to train: the recorded result, no worker started, no model logged again.
+    assert again.already_finished and not second.already_finished
+    assert (again.mlflow_run_id, again.checkpoint_path) == (second.mlflow_run_id, second.checkpoint_path)
+    assert again.metrics == second.metrics
 
     keys = _bucket_keys(stack)
     ray_ckpt = [k for k in keys if k.startswith(f"ray/{cfg.run_name()}/checkpoint_")]
@@ -97,8 +102,12 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
     run_artifacts = [k for k in keys if first.mlflow_run_id in k]
     assert any(k.endswith("checkpoint/model.pt") for k in run_artifacts), run_artifacts
     assert any(k.endswith("plots/retrieval_grid.png") for k in run_artifacts)
-    # mlflow.pytorch model files (MLflow 3 stores logged models beside the run's artifacts).
+    # mlflow.pytorch model files (MLflow 3 stores logged models beside the run's artifacts): one
+    # per training call that trained (the resumed one logs its new weights), none for `again`.
     assert any(k.endswith("MLmodel") for k in keys)
+    exp_id = MlflowClient(stack.tracking_uri).get_run(first.mlflow_run_id).info.experiment_id
+    assert len(MlflowClient(stack.tracking_uri).search_logged_models(
+        [exp_id], filter_string=f"source_run_id = '{first.mlflow_run_id}'")) == 2
 
     client = MlflowClient(stack.tracking_uri)
     run = client.get_run(first.mlflow_run_id)
@@ -161,7 +170,7 @@ def test_report_of_the_two_worker_run_leads_with_retrieval_in_chromium(stack, tr
     from pipelines.evaluate import metric_names
     from services import report
 
-    _, _, second, _ = trained
+    _, _, second, _, _ = trained
     out = tmp_path / "report.html"
     report.build_report([second.mlflow_run_id], out=out, tracking_uri=stack.tracking_uri, log=False)
     browser.get(out.as_uri())
@@ -224,7 +233,7 @@ def _runs(client: MlflowClient) -> dict:
 
 
 def test_restart_crash_and_restore_keep_every_artifact_model_and_checkpoint(stack, trained, tmp_path):
-    _, _, second, _ = trained
+    _, _, second, _, _ = trained
     run_id, ckpt = second.mlflow_run_id, second.checkpoint_path
     before = _what_the_team_has(stack, run_id, ckpt)
     assert len(before["artifacts"]) >= 8 and any(p.startswith("checkpoint/") for p in before["artifacts"])
