@@ -49,10 +49,15 @@ def stale_ray_tmp():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _start(args: list[str], cwd: Path, ray_tmp: Path, **env: str) -> subprocess.Popen:
+def command_env(ray_tmp: Path, **env: str) -> dict[str, str]:
+    """The environment of a ``proxydml`` command run from this checkout under its own Ray temp
+    folder: no cluster address and no tracking server inherited from the test session."""
     environ = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    environ.update(PYTHONPATH=str(ROOT), RAY_TMPDIR=str(ray_tmp), **env)
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=environ,
+    return {**environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp), **env}
+
+
+def _start(args: list[str], cwd: Path, ray_tmp: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=command_env(ray_tmp, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

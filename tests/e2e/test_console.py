@@ -19,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from services.console import is_chatter
-from tests.cluster.test_which_cluster import stale_ray_folder
+from tests.cluster.test_which_cluster import command_env, stale_ray_folder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -62,14 +62,13 @@ def piped_run(tmp_path_factory):
     must not be provided")."""
     tmp = tmp_path_factory.mktemp("piped")
     ray_tmp, _ = stale_ray_folder()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     # Files, not pipes: nothing reads them while the first test runs, and a full pipe would stall it.
     with open(tmp / "stdout", "w") as out, open(tmp / "stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
              "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp / 'runs'}",
              f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
-            cwd=tmp, stdout=out, stderr=err, env={**env, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)})
+            cwd=tmp, stdout=out, stderr=err, env=command_env(ray_tmp))
 
     def finished() -> tuple[int, str, str, Path]:
         code = proc.wait(timeout=420)
