@@ -1,6 +1,7 @@
-"""A worker killed in the middle of a 2-worker run: Ray restarts the group from the last
-checkpoint and the run ends exactly (to the bit) where an uninterrupted run ends, and
-``proxydml eval`` on its final checkpoint gives the metrics the run logged."""
+"""A worker killed in the middle of a 2-worker Ray Train run: Ray restarts the group from the
+last checkpoint and the run ends exactly (to the bit) where an uninterrupted 2-worker run of
+the same config ends (the recipe on two plain gloo processes, no Ray), and ``proxydml eval``
+on its final checkpoint gives the metrics the run logged."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from services import training
+from tests.distributed import whole_run_workers as workers
+from tests.distributed.launch import launch
 
 pytestmark = pytest.mark.ray
 
@@ -35,13 +38,15 @@ def _train_worker_pids() -> list[int]:
 
 def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(ray_cluster, tmp_path, local_mlflow,
                                                                              digits_config):
-    def cfg_named(name: str):
-        return digits_config(local_mlflow, tmp_path / "runs", "scaling.max_failures=2", "data.image_size=24",
-                             f"tracking.run_name={name}", epochs=EPOCHS)
+    cfg = digits_config(local_mlflow, tmp_path / "runs", "scaling.max_failures=2", "data.image_size=24",
+                        "tracking.run_name=killed", epochs=EPOCHS)
+    # The uninterrupted run: what each Ray Train worker of `cfg` runs, on two forked processes.
+    ref_dir = tmp_path / "uninterrupted"
+    resolved = training.resolve_for_workers(cfg)
+    launch(workers.config_worker, 2, (2, str(tmp_path / "store"), resolved.to_dict(), str(ref_dir),
+                                      int(resolved.scaling.cpus_per_worker)))
+    reference = json.loads((ref_dir / f"checkpoint_{EPOCHS:06d}" / "trainer_state.json").read_text())["history"][-1]
 
-    reference = training.train(cfg_named("uninterrupted"), log_model=False)
-
-    cfg = cfg_named("killed")
     run_dir = tmp_path / "runs" / "killed"
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(result=training.train(cfg, log_model=False)))
@@ -63,7 +68,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(ra
         # Exact: the data order and every augmentation seed come from (seed, epoch, position),
         # the optimiser, scheduler and RNG state are restored, BatchNorm is synchronised (one
         # state on both ranks), and with two ranks every all-reduce is a + b = b + a.
-        assert result.metrics[key] == reference.metrics[key], key
+        assert result.metrics[key] == reference[key], key
     # `proxydml eval` on the final checkpoint gives the metrics the run logged, to the bit.
     out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--checkpoint", result.checkpoint_path,
                           "--json"], capture_output=True, text=True, timeout=300,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from pipelines.config import load_config
+from pipelines.config import from_dict, load_config
 from pipelines.tracking import LocalReporter
 from pipelines.train import run
 from tests.distributed.sharded_workers import shutdown_process_group
@@ -78,12 +78,19 @@ class ArtifactFolder:
 
 def train_worker(rank: int, world: int, store_file: str, data_root: str, out: str, extra: list[str]) -> None:
     """One rank of a W-worker run; checkpoints under ``out``."""
+    cfg = load_config(None, overrides(Path(data_root), f"scaling.num_workers={world}", *extra))
+    config_worker(rank, world, store_file, cfg.to_dict(), out, 1)
+
+
+def config_worker(rank: int, world: int, store_file: str, config: dict, out: str, threads: int) -> None:
+    """One rank of a W-worker run of ``config`` (a ``Config.to_dict()``) on ``threads`` torch
+    threads; checkpoints under ``out``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    torch.set_num_threads(1)
+    cfg = from_dict(config)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
-        cfg = load_config(None, overrides(Path(data_root), f"scaling.num_workers={world}", *extra))
         run(cfg, LocalReporter(Path(out)), ArtifactFolder(Path(out) / "artifacts"))
         dist.barrier()  # every rank's shard is in the checkpoint before the parent reads it
     finally:
