@@ -298,7 +298,7 @@ def test_trainer_sweeps_and_every_trial_logs_as_the_trainer(ray_cluster, stack, 
     login(monkeypatch, users, "tr")
     code, out, err, TIMINGS["trainer: tune, 2 trials"] = _cli(capsys, [
         "tune", *TRAIN[:2], "--space", "digits_quick", "--samples", "2", "--scheduler", "none", "--search", "random",
-        *TRAIN[2:], "train.epochs=1", "train.max_steps_per_epoch=3", "scaling.num_workers=1",
+        *TRAIN[2:], "train.epochs=1", "train.max_steps_per_epoch=3", "scaling.num_workers=2",
         f"tracking.tracking_uri={stack.tracking_uri}", f"tracking.storage_path={tmp_path / 'sweeps'}"])
     assert code == 0, err
     parent_id = out.split("MLflow parent run: ")[1].split()[0]
@@ -308,9 +308,9 @@ def test_trainer_sweeps_and_every_trial_logs_as_the_trainer(ray_cluster, stack, 
     children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
     assert len(children) == 2
     for child in children:
-        # Each trial's rank-0 worker logged its epoch with the trainer's login (from the driver;
-        # the server refuses any request without one).
-        assert child.info.status == "FINISHED"
+        # Each trial is a 2-worker Ray Train run whose rank-0 worker logged its epoch with the
+        # trainer's login (from the driver; the server refuses any request without one).
+        assert child.info.status == "FINISHED" and child.data.tags["world_size"] == "2"
         assert [m.step for m in client.get_metric_history(child.info.run_id, "map_at_r")] == [1]
         assert "MLFLOW_TRACKING" not in str(child.data.params)
 

@@ -1,4 +1,5 @@
-"""Ray Tune sweeps end to end: ASHA + Optuna over 2-worker trials (Ray Train) nested in MLflow;
+"""Ray Tune sweeps end to end: ASHA + Optuna over one-worker trials nested in MLflow (sweeps of
+2-worker trials, each a Ray Train run, are test_auth's: there every worker must log in too);
 a resumable sweep of one-worker trials (trained in the trial's own process) whose trials score
 what `proxydml train` scores with the same config, its one-line console, and a warm start from it;
 population-based training whose exploits are recorded in MLflow; an ASHA sweep whose driver is
@@ -37,7 +38,7 @@ def _children(client: MlflowClient, parent_id: str):
 
 def test_asha_optuna_sweep_nests_in_mlflow_and_its_best_config_trains(ray_cluster, tmp_path, local_mlflow,
                                                                       digits_config):
-    base = digits_config(local_mlflow, tmp_path / "runs", steps=3)
+    base = digits_config(local_mlflow, tmp_path / "runs", steps=3, workers=1)
     out = sweep.run_sweep(base, "digits_quick", samples=4, scheduler="asha", search="optuna", max_concurrent=2)
     assert len(out.trials) == 4 and not out.resumed
 
