@@ -34,7 +34,7 @@ from pipelines.evaluate import eval_autocast
 from pipelines.models import EmbeddingModel
 
 __all__ = ["IMAGE_SUFFIXES", "GalleryEmbedder", "GalleryItems", "decode_batch", "decode_image", "folder_items",
-           "dataset_items", "image_channels", "query_transform", "read_embeddings", "write_embeddings"]
+           "dataset_items", "embed_items", "image_channels", "query_transform", "read_embeddings", "write_embeddings"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 # Rows per Parquet file of the embeddings: a shard the index build holds in memory at a time
@@ -179,6 +179,26 @@ class GalleryEmbedder:
         out["vector"] = self.embed(batch["image"])
         out["node"] = np.array([self.node] * len(batch["id"]))
         return out
+
+
+def embed_items(items: GalleryItems, cfg: Config, state: dict[str, torch.Tensor], *, batch_size: int,
+                threads: int = 1, node: str = "") -> Iterator[dict[str, np.ndarray]]:
+    """Embed ``items`` in this process: consecutive batches of ``batch_size`` in id order, each
+    decoded (:func:`decode_batch`) then embedded (:class:`GalleryEmbedder` on ``threads`` torch
+    threads, restored on exit). Yields what the embedding actors yield: the batch's columns,
+    ``ok``/``error``/``sha256`` and ``vector`` (n, d)."""
+    before = torch.get_num_threads()
+    try:
+        embedder = GalleryEmbedder(cfg, state, image_channels(items), threads, node=node)
+        for start in range(0, len(items), batch_size):
+            end = min(start + batch_size, len(items))
+            batch = {"id": np.arange(start, end), "path": np.array(items.paths[start:end], dtype=object),
+                     "class": np.array(items.classes[start:end], dtype=object)}
+            if items.images is not None:
+                batch["image"] = items.images[start:end]
+            yield embedder(decode_batch(batch, cfg))
+    finally:
+        torch.set_num_threads(before)
 
 
 _SCHEMA_COLUMNS = ("id", "path", "class", "sha256", "vector")

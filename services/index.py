@@ -1,7 +1,8 @@
 """A searchable model version: embed a gallery, build and publish its faiss index, search it.
 
 ``build`` resolves a registered version (``NAME``, ``NAME@ALIAS``, ``NAME/VERSION``), embeds the
-gallery with that version's model on the Ray cluster (``runtime.embed_gallery``: Ray Data), writes
+gallery with that version's model on the Ray cluster (``runtime.embed_gallery``: Ray Data, or this
+process for a small gallery on one node), writes
 the embeddings as Parquet, builds the index in shards (``pipelines/index.py``), measures its
 ANN recall@10 against exact search on held-out gallery queries, and publishes:
 

@@ -18,7 +18,9 @@ one process of its own with the same torch threads (1), the tensors loaded from 
 before and after the pipeline. The same loop in the process that decoded the files is reported
 too. Pipeline: ``runtime.embed_gallery`` on a local Ray
 instance, 1 actor of 1 thread, files decoded in Ray tasks; timed from the first batch requested
-to the last one received, actor start included.
+to the last one received, actor start included. In process: the same call without
+``concurrency`` (one node: decoded and embedded in this process), and the gallery size at which
+the pipeline's fixed cost is paid back.
 Results go to stdout as JSON lines; docs/benchmarks.md quotes them.
 """
 
@@ -140,15 +142,29 @@ def embed(images: int) -> dict[str, float | str]:
         pipeline_s = time.perf_counter() - t
         steady_s = time.perf_counter() - first
         assert count == images
+        # The same call without a pool asked for: on this one-node instance the gallery is
+        # embedded in this process, files decoded in line.
+        t = time.perf_counter()
+        local = sum(len(out["id"]) for out in runtime.embed_gallery(items, cfg, state, batch_size=batch, threads=1))
+        local_s = time.perf_counter() - t
+        assert local == images
         floor_after = floor()
         floor_s = (floor_before + floor_after) / 2
+        # Where the pool's fixed cost (start-up to the steady rate) is paid back by its faster
+        # steady rate (decoding beside the forward pass): the gallery size the two paths tie at.
+        steady_rate = (images - batch) / steady_s
+        fixed_s = pipeline_s - images / steady_rate
+        gain_per_image = local_s / images - 1 / steady_rate
+        break_even = round(fixed_s / gain_per_image) if gain_per_image > 0 else None
         return {"bench": "embed", "images": images, "image_size": cfg.data.image_size, "batch": batch,
                 "floor_images_per_s": round(images / floor_s, 1),
                 "floor_before_after_s": [round(floor_before, 1), round(floor_after, 1)],
                 "floor_in_the_decoding_process_images_per_s": round(images / in_process_s, 1),
                 "pipeline_images_per_s": round(images / pipeline_s, 1),
                 "pipeline_over_floor": round(floor_s / pipeline_s, 3),
-                "pipeline_after_first_batch_over_floor": round(floor_s * (1 - batch / images) / steady_s, 3)}
+                "pipeline_after_first_batch_over_floor": round(floor_s * (1 - batch / images) / steady_s, 3),
+                "pipeline_fixed_s": round(fixed_s, 1), "in_process_images_per_s": round(images / local_s, 1),
+                "in_process_break_even_images": break_even}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

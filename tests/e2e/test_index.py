@@ -1,4 +1,5 @@
-"""A searchable champion: `proxydml index build` on Ray Data + faiss, published in MLflow, and
+"""A searchable champion: `proxydml index build` (embedded in process on this one-node cluster,
+else by Ray Data) + faiss, published in MLflow, and
 `proxydml search`, on the tiny emoji set with the demo recipe's model.
 
 The model is trained once for the module (the demo recipe, one short epoch at 32 px, in this
@@ -100,6 +101,43 @@ def test_exact_index_of_the_unseen_half_searches_as_the_evaluation_scores(champi
     code, out, err = _cli(capsys, "eval", "--checkpoint", str(ckpt), "--json", "train.recall_ks=[1]")
     assert code == 0, err
     assert hits / len(paths) == json.loads(out)["recall_at_1"]
+
+
+def test_a_gallery_on_one_node_is_embedded_in_process_as_the_ray_data_pool_embeds_it(champion, ray_cluster):
+    """One node without GPUs and no --concurrency: the gallery is embedded in the calling
+    process, no Ray Data actor started, with the ids, checksums and vectors (to the bit: the
+    same batches on the same CPU kernels) of a pool of one actor."""
+    import numpy as np
+    import ray
+    from ray.util.state import list_actors
+
+    from services import runtime
+    from services.index import load_version, parse_model_ref, resolve_gallery, resolve_version
+
+    uri, _ = champion
+    client = MlflowClient(uri)
+    cfg, state = load_version(client, resolve_version(client, parse_model_ref(f"{MODEL}/1")))
+    items, _ = resolve_gallery("unseen", cfg)
+    assert runtime.alive_nodes() == 1 and len(items) == 160
+
+    def embedders() -> int:
+        return len(list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000,
+                               filters=[("class_name", "=", "MapWorker(MapBatches(_RayGalleryEmbedder))")]))
+
+    def embed(concurrency: int | None) -> dict[str, np.ndarray]:
+        batches = list(runtime.embed_gallery(items, cfg, state, batch_size=cfg.data.eval_batch_size,
+                                             concurrency=concurrency))
+        return {k: np.concatenate([b[k] for b in batches]) for k in ("id", "ok", "sha256", "node", "vector")}
+
+    before = embedders()
+    here = embed(None)
+    assert embedders() == before
+    pool = embed(1)
+    assert embedders() == before + 1
+    assert np.array_equal(here["id"], np.arange(len(items))) and np.array_equal(here["id"], pool["id"])
+    assert here["ok"].all() and np.array_equal(here["sha256"], pool["sha256"])
+    assert set(here["node"]) == set(pool["node"]) == {ray.get_runtime_context().get_node_id()}
+    np.testing.assert_array_equal(here["vector"], pool["vector"])
 
 
 def test_bad_galleries_and_factories_fail_in_one_line_and_publish_nothing(champion, ray_cluster, tiny, tmp_path,
