@@ -34,7 +34,7 @@ from mlflow.tracking import MlflowClient
 from pipelines.config import load_config
 from services import runtime, sweep, training
 from services.cli import main as cli_main
-from services.s3 import Credentials, s3_client
+from services.s3 import s3_client
 from services.stack import Stack
 from tests.cluster.test_which_cluster import no_mlflow_runs
 from tests.distributed import whole_run_workers as replay
@@ -44,7 +44,6 @@ from tests.e2e.test_retrain import write_digits_snapshot
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray]
 
-CREDS = Credentials("proxydml-cluster-key", "proxydml-cluster-secret")
 CPUS_PER_NODE = 2
 EPOCHS = 4
 
@@ -73,8 +72,8 @@ class MultiNode:
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack):
-    return make_stack(CREDS)
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,6 @@ from PIL import Image
 from services import index as index_mod
 from services import registry, retrain
 from services.cli import main as cli_main
-from services.s3 import Credentials
 from services.snapshots import push_dataset, write_manifest
 from services.stack import Stack
 
@@ -47,7 +46,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "digits-embedder"
-CREDS = Credentials("proxydml-retrain-key", "proxydml-retrain-secret")
 # Tiny trainings: 2 workers, a few steps (Ray actor start-up dominates on 2 cores anyway).
 COMMON = ["data.batch_size=64", "data.samples_per_class=16", "data.random_flip=false",
           "scaling.num_workers=2", "model.embedding_dim=32"]
@@ -77,8 +75,8 @@ def write_digits_snapshot(root: Path, snapshot_id: str, train_per_class: int, te
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack):
-    return make_stack(CREDS)
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +242,8 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     assert "nothing retrained" in out
     # The same snapshot from S3 (downloaded and verified into a cache): the same key.
     monkeypatch.setenv("AWS_ENDPOINT_URL", stack.s3_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", stack.credentials.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", stack.credentials.secret_key)
     # Uploaded as `proxydml data push` does, under the snapshot's own id: the same files, so the
     # same manifest checksum and retrain key.
     pushed = push_dataset(snapshots["B"], f"s3://{stack.bucket}/snapshots/B", "digits-2024-02-B")

@@ -39,12 +39,11 @@ from pipelines.train import load_model
 from services import training
 from services.net import HOST, free_port
 from services.runtime import UPLOAD_RETRY_ENV, retry_upload, verify_upload
-from services.s3 import Credentials, list_keys, retrying_s3_filesystem, s3_client
+from services.s3 import list_keys, retrying_s3_filesystem, s3_client
 from services.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
-CREDS = Credentials("proxydml-e2e-key", "proxydml-e2e-SECRET-do-not-leak")
 EPOCHS = 3
 WORKERS = 2
 # Longer than a moment, shorter than the ~25 s each S3 request retries for on its own.
@@ -201,8 +200,8 @@ def _drop(s: socket.socket) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(make_stack):
-    return make_stack(CREDS)
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture
@@ -214,12 +213,13 @@ def relay(stack):
 
 
 def _bucket_keys(stack: Stack, prefix: str) -> list[str]:
-    return list_keys(s3_client(stack.s3_endpoint, CREDS), stack.bucket, prefix)
+    return list_keys(s3_client(stack.s3_endpoint, stack.credentials), stack.bucket, prefix)
 
 
-def _relay_fs(relay: FlakyRelay, max_attempts: int) -> pyarrow.fs.S3FileSystem:
+def _relay_fs(stack: Stack, relay: FlakyRelay, max_attempts: int) -> pyarrow.fs.S3FileSystem:
+    creds = stack.credentials
     return retrying_s3_filesystem(
-        max_attempts, access_key=CREDS.access_key, secret_key=CREDS.secret_key, region=CREDS.region,
+        max_attempts, access_key=creds.access_key, secret_key=creds.secret_key, region=creds.region,
         endpoint_override=f"{HOST}:{relay.port}", scheme="http",
     )
 
@@ -234,7 +234,7 @@ def _local_checkpoint(tmp_path) -> os.PathLike[str]:
 
 def test_verify_upload_catches_the_failed_upload_copy_files_swallows(stack, relay, tmp_path):
     local = _local_checkpoint(tmp_path)
-    fs = _relay_fs(relay, max_attempts=2)
+    fs = _relay_fs(stack, relay, max_attempts=2)
     dest = f"{stack.bucket}/verify/checkpoint_a"
     relay.drop(ANY_MODEL_PUT)  # every upload of model.pt fails; the other files go through
     try:
@@ -250,7 +250,7 @@ def test_verify_upload_catches_the_failed_upload_copy_files_swallows(stack, rela
 
 def test_retry_upload_rides_out_an_outage_longer_than_the_client_retries(stack, relay, tmp_path, caplog):
     local = _local_checkpoint(tmp_path)
-    fs = _relay_fs(relay, max_attempts=3)  # each request gives up after ~0.2 s
+    fs = _relay_fs(stack, relay, max_attempts=3)  # each request gives up after ~0.2 s
     dest = f"{stack.bucket}/retry/checkpoint_b"
 
     def upload() -> str:
@@ -278,8 +278,8 @@ def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkp
     # Ray storage goes through the relay; the MLflow server keeps its direct line to moto, so
     # what goes away is only the endpoint the Train workers and controller use.
     monkeypatch.setenv("AWS_ENDPOINT_URL", relay.endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", CREDS.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDS.secret_key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", stack.credentials.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", stack.credentials.secret_key)
     monkeypatch.setenv(UPLOAD_RETRY_ENV, "120")  # far above the outage; a failure stays quick
     cfg = digits_config(stack.tracking_uri, f"s3://{stack.bucket}/ray", "tracking.experiment=s3-outage-e2e",
                         "tracking.run_name=s3-outage", epochs=EPOCHS, steps=4, workers=WORKERS)
@@ -292,7 +292,7 @@ def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkp
     run_prefix = f"ray/{cfg.run_name()}/"
 
     # Which checkpoints Ray registered (num_to_keep=2: the last two epochs).
-    s3 = s3_client(stack.s3_endpoint, CREDS)
+    s3 = s3_client(stack.s3_endpoint, stack.credentials)
     snapshot = json.loads(s3.get_object(
         Bucket=stack.bucket, Key=f"{run_prefix}checkpoint_manager_snapshot.json")["Body"].read())
     registered = {r["checkpoint_dir_name"]: r["metrics"] for r in snapshot["checkpoint_results"]}
