@@ -2,7 +2,7 @@
 
 ``build`` resolves a registered version (``NAME``, ``NAME@ALIAS``, ``NAME/VERSION``), embeds the
 gallery with that version's model on the Ray cluster (``runtime.embed_gallery``: Ray Data, or this
-process for a small gallery on one node), writes
+process on a one-node cluster without GPUs), writes
 the embeddings as Parquet, builds the index in shards (``pipelines/index.py``), measures its
 ANN recall@10 against exact search on held-out gallery queries, and publishes:
 

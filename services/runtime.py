@@ -855,8 +855,6 @@ class _RayGalleryEmbedder(GalleryEmbedder):
                          node=ray.get_runtime_context().get_node_id())
 
 
-
-
 def embed_gallery(items: GalleryItems, cfg: Config, state: dict[str, torch.Tensor], *, batch_size: int,
                   concurrency: int | None = None, threads: int = 1) -> Iterator[dict[str, Any]]:
     """Embed ``items`` on the connected cluster with Ray Data; yields embedded batches in id order.
