@@ -159,21 +159,24 @@ def aliases_of(client: MlflowClient, name: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in (model.aliases if model else {}).items()}
 
 
-def logged_model_of_run(client: MlflowClient, run_id: str, artifact_name: str = "model") -> tuple[str, str | None]:
-    """(model URI, logged model id) of the model a run logged as ``artifact_name``.
-
-    MLflow 3 stores a logged model as its own entity (``models:/m-...``); when a run logged it
-    more than once (a resumed training run logs it again), the newest one wins.
-    """
+def logged_models_of_run(client: MlflowClient, run_id: str, artifact_name: str = "model") -> list:
+    """Every model a run logged as ``artifact_name`` (MLflow 3 ``LoggedModel`` entities, oldest
+    first): a run resumed before it finished logs its model again."""
     exp_id = client.get_run(run_id).info.experiment_id
     try:
         found = [m for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{run_id}'")
                  if m.name == artifact_name]
     except MlflowException:
-        found = []
+        return []
+    return sorted(found, key=lambda m: m.creation_timestamp or 0)
+
+
+def logged_model_of_run(client: MlflowClient, run_id: str, artifact_name: str = "model") -> tuple[str, str | None]:
+    """(model URI, logged model id) of the newest model a run logged as ``artifact_name``, or
+    its ``runs:/`` URI and None when it logged none as a ``LoggedModel``."""
+    found = logged_models_of_run(client, run_id, artifact_name)
     if found:
-        newest = max(found, key=lambda m: m.creation_timestamp or 0)
-        return newest.model_uri, newest.model_id
+        return found[-1].model_uri, found[-1].model_id
     return f"runs:/{run_id}/{artifact_name}", None
 
 

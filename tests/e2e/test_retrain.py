@@ -199,8 +199,7 @@ def test_retrain_promotes_only_better_models(ray_cluster, stack, snapshots, tmp_
     assert code == 0, err
     assert f"trained: run {crashed_run} (resumed)" in out, out
     # Its training had finished: the recorded result is used, not retrained, and its model not logged again.
-    exp_ids = [client.get_run(crashed_run).info.experiment_id]
-    assert len(client.search_logged_models(exp_ids, filter_string=f"source_run_id = '{crashed_run}'")) == 1
+    assert len(registry.logged_models_of_run(client, crashed_run)) == 1
     assert "decision: PROMOTED to champion" in out, out
     assert f"index: build failed, serving stays on v1: cannot read image {unreadable}" in out, out
     decisions.append(out)

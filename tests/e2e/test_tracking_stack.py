@@ -105,9 +105,7 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
     # mlflow.pytorch model files (MLflow 3 stores logged models beside the run's artifacts): one
     # per training call that trained (the resumed one logs its new weights), none for `again`.
     assert any(k.endswith("MLmodel") for k in keys)
-    exp_id = MlflowClient(stack.tracking_uri).get_run(first.mlflow_run_id).info.experiment_id
-    assert len(MlflowClient(stack.tracking_uri).search_logged_models(
-        [exp_id], filter_string=f"source_run_id = '{first.mlflow_run_id}'")) == 2
+    assert len(registry.logged_models_of_run(MlflowClient(stack.tracking_uri), first.mlflow_run_id)) == 2
 
     client = MlflowClient(stack.tracking_uri)
     run = client.get_run(first.mlflow_run_id)
