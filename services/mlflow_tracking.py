@@ -128,26 +128,30 @@ def find_run(client: MlflowClient, exp_id: str, cfg: Config) -> Run | None:
     return found[0] if found else None
 
 
+def _lookup(client: MlflowClient, cfg: Config) -> Run | None:
+    exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
+    return find_run(client, exp.experiment_id, cfg) if exp is not None else None
+
+
 def run_of(cfg: Config, uri: str) -> Run | None:
     """The MLflow run of ``cfg`` (looked up by :func:`find_run` in its experiment), or None
     when neither exists yet. Needs READ on the experiment only."""
-    client = MlflowClient(uri)
     with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]):
-        exp = call_with_retries(lambda: client.get_experiment_by_name(cfg.experiment_name()))
-        return find_run(client, exp.experiment_id, cfg) if exp is not None else None
+        return _lookup(MlflowClient(uri), cfg)
 
 
 def finished_training(cfg: Config, uri: str) -> tuple[Run, dict[str, float]] | None:
     """``cfg``'s run when it FINISHED with at least ``cfg.train.epochs`` epochs trained: (the run,
     its last epoch's metrics from the final checkpoint's trainer_state.json, the record the run
     logged as ``checkpoint/``). None when there is more to train or no such record."""
-    run = run_of(cfg, uri)
-    if run is None or run.info.status != "FINISHED" or "ray_checkpoint_path" not in run.data.tags:
-        return None
+    client = MlflowClient(uri)
     with auth.guard(uri, experiment_needs(cfg.experiment_name())[0]), \
             tempfile.TemporaryDirectory(prefix="proxydml-state-") as tmp:
+        run = _lookup(client, cfg)
+        if run is None or run.info.status != "FINISHED" or "ray_checkpoint_path" not in run.data.tags:
+            return None
         try:
-            state = json.loads(Path(MlflowClient(uri).download_artifacts(
+            state = json.loads(Path(client.download_artifacts(
                 run.info.run_id, "checkpoint/trainer_state.json", tmp)).read_text())
         except (mlflow.exceptions.MlflowException, OSError):
             return None  # no final checkpoint recorded with the run
