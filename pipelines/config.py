@@ -324,6 +324,11 @@ class ScalingConfig:
         cpus = 1 if sweep else max(1, cores // self.max_workers)
         return dataclasses.replace(self, cpus_per_worker=float(cpus))
 
+    @property
+    def threads(self) -> int:
+        """Torch threads of one worker: the CPUs reserved for it (a resolved config), at least one."""
+        return max(1, int(self.cpus_per_worker))
+
     def worker_counts(self) -> range:
         """Every number of workers the run may train on."""
         return range(self.min_workers, self.max_workers + 1)

@@ -315,7 +315,7 @@ def _train_tracked(cfg: Config, reporter: Any, run_id: str | None, uri: str | No
 
     install_data_resolver()  # data.root=s3://...: read from this node's cache, filled once per node
     # Threads = the CPUs Ray reserved for this worker (the driver made an automatic value concrete).
-    torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    torch.set_num_threads(cfg.scaling.threads)
     if not run_id:
         return train_pipeline.run(cfg, reporter, NullTracker(), dashboard=dashboard)
     from services.mlflow_tracking import MlflowTracker

@@ -43,8 +43,7 @@ def test_killed_worker_restarts_from_checkpoint_and_matches_uninterrupted_run(ra
     # The uninterrupted run: what each Ray Train worker of `cfg` runs, on two forked processes.
     ref_dir = tmp_path / "uninterrupted"
     resolved = training.resolve_for_workers(cfg)
-    launch(workers.config_worker, 2, (2, str(tmp_path / "store"), resolved.to_dict(), str(ref_dir),
-                                      int(resolved.scaling.cpus_per_worker)))
+    launch(workers.config_worker, 2, (2, str(tmp_path / "store"), resolved.to_dict(), str(ref_dir)))
     reference = json.loads((ref_dir / f"checkpoint_{EPOCHS:06d}" / "trainer_state.json").read_text())["history"][-1]
 
     run_dir = tmp_path / "runs" / "killed"

@@ -79,16 +79,16 @@ class ArtifactFolder:
 def train_worker(rank: int, world: int, store_file: str, data_root: str, out: str, extra: list[str]) -> None:
     """One rank of a W-worker run; checkpoints under ``out``."""
     cfg = load_config(None, overrides(Path(data_root), f"scaling.num_workers={world}", *extra))
-    config_worker(rank, world, store_file, cfg.to_dict(), out, 1)
+    config_worker(rank, world, store_file, cfg.to_dict(), out)
 
 
-def config_worker(rank: int, world: int, store_file: str, config: dict, out: str, threads: int) -> None:
-    """One rank of a W-worker run of ``config`` (a ``Config.to_dict()``) on ``threads`` torch
-    threads; checkpoints under ``out``."""
+def config_worker(rank: int, world: int, store_file: str, config: dict, out: str) -> None:
+    """One rank of a W-worker run of ``config`` (a resolved ``Config.to_dict()``) on the torch
+    threads a Ray Train worker of it gets; checkpoints under ``out``."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     cfg = from_dict(config)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(cfg.scaling.threads)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         run(cfg, LocalReporter(Path(out)), ArtifactFolder(Path(out) / "artifacts"))
