@@ -54,7 +54,9 @@ def run_in_terminal(args: list[str], cwd: Path, timeout: float = 420) -> tuple[i
 def piped_run(tmp_path_factory):
     """`proxydml train` with its output on pipes, started when the module starts: it runs beside
     the terminal run of the first test (two Ray instances; the command's start-up, not its
-    training, is most of its time), and the second test reads what it printed.
+    training, is most of its time), and the second test reads what it printed. One worker: what
+    it checks (no bar on a pipe, the epoch line, a stale cluster file) does not depend on the
+    worker count, and a second Train worker would slow the terminal run beside it.
 
     Its Ray temp folder holds a stale ray_current_cluster naming a dead cluster, as a killed
     cluster leaves it: a plain train must start its own instance regardless (ray.init once read
@@ -66,7 +68,7 @@ def piped_run(tmp_path_factory):
     with open(tmp / "stdout", "w") as out, open(tmp / "stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "train", "--config", "digits", "train.epochs=1",
-             "train.max_steps_per_epoch=3", f"tracking.storage_path={tmp / 'runs'}",
+             "train.max_steps_per_epoch=3", "scaling.num_workers=1", f"tracking.storage_path={tmp / 'runs'}",
              f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
             cwd=tmp, stdout=out, stderr=err, env=command_env(ray_tmp))
 
