@@ -38,12 +38,11 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    started = time.monotonic()  # wall time from the command's start to the final table
-    cfg = load_config(args.config, args.overrides)  # a typo fails here, before Ray and MLflow are imported
     from pipelines.evaluate import is_retrieval_metric
     from services import console, training
 
-    cfg = training.resolve_for_workers(cfg)
+    started = time.monotonic()  # wall time from the command's start to the final table
+    cfg = training.resolve_for_workers(load_config(args.config, args.overrides))
     with console.run_console(console.log_path_for(cfg.run_name()), discard_on=USER_ERRORS) as log:
         print(f"proxydml train: run {cfg.run_name()} on {cfg.scaling.num_workers} worker(s)", flush=True)
         out = training.train(cfg, address=args.address, show_progress=sys.stderr.isatty() and not args.quiet,

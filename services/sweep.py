@@ -259,7 +259,7 @@ def run_sweep(
 
     ``warm_start``: an earlier sweep (same tracking server) whose scored trials the searcher is
     told before it suggests anything; ``start_from_best``: its best point is the first trial."""
-    # Imported here for start-up time: Ray (runtime, training) takes seconds to import, and
+    # Imported here for start-up time: Ray (runtime) takes seconds to import, and
     # ``tune best`` and ``retrain --from-sweep`` only read MLflow through this module.
     from services import mlflow_tracking as mt
     from services import runtime

@@ -13,15 +13,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.tracking import MlflowClient
-
 from pipelines.config import Config, ConfigError
 from pipelines.data import DataError, build_batch_sampler, build_datasets, dataset_labels, with_absolute_root
 from pipelines.models import EmbeddingModel
-from services import mlflow_tracking as mt
-from services import registry, runtime
 from services.cluster import require_shared_state
 from services.snapshots import install_data_resolver
+
+# MLflow and Ray (services.mlflow_tracking, registry, runtime) take 5-6 s to import: they are
+# imported in the functions that use them, after `preflight`, so a bad data or model setting
+# fails a command in seconds.
 
 
 @dataclass
@@ -77,6 +77,11 @@ def already_trained(cfg: Config, uri: str, *, log_model: bool) -> TrainOutcome |
     """The recorded result of ``cfg``'s run when it FINISHED every epoch (and logged its model,
     when ``log_model``), else None. Such a run is not handed to Ray again: its workers would
     only load the last checkpoint and stop, and the run would log its model a second time."""
+    from mlflow.tracking import MlflowClient
+
+    from services import mlflow_tracking as mt
+    from services import registry
+
     found = mt.finished_training(cfg, uri)
     if found is None:
         return None
@@ -94,6 +99,9 @@ def train(cfg: Config, *, address: str | None = None, log_model: bool = True,
     ``log_file``: the command's full console log, kept with the run as ``logs/<name>``."""
     cfg = resolve_for_workers(cfg)
     preflight(cfg)
+    from services import mlflow_tracking as mt
+    from services import runtime
+
     uri = mt.resolve_tracking_uri(cfg.tracking.tracking_uri)
     mt.check_can_log(cfg, uri)  # a refused MLflow login fails here, before Ray starts (one line)
     done = already_trained(cfg, uri, log_model=log_model)

@@ -75,6 +75,17 @@ def test_bad_input_through_the_real_command_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / ".proxydml").exists()  # not even a console log
 
 
+def test_bad_model_setting_fails_before_ray_and_mlflow_are_imported(tmp_path):
+    """The driver's preflight (data set, sampler, model) runs before the modules that import Ray
+    and MLflow (5-6 s of a command's start-up) are loaded."""
+    code = ("import sys; from services.cli import main; code = main(['train', 'model.frozen_stages=99']); "
+            "print(code, sorted(m for m in ('ray', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=_env())
+    assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout + out.stderr
+    assert "backbone convnet has 3 stages" in out.stderr
+
+
 def test_dataset_with_one_class_is_refused_before_any_run(tmp_path):
     root = tmp_path / "imgs"
     rng = np.random.default_rng(0)
