@@ -34,6 +34,7 @@ from typing import Any
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from mlflow.entities import LoggedModel  # noqa: E402
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -159,7 +160,7 @@ def aliases_of(client: MlflowClient, name: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in (model.aliases if model else {}).items()}
 
 
-def logged_models_of_run(client: MlflowClient, run_id: str, artifact_name: str = "model") -> list:
+def logged_models_of_run(client: MlflowClient, run_id: str, artifact_name: str = "model") -> list[LoggedModel]:
     """Every model a run logged as ``artifact_name`` (MLflow 3 ``LoggedModel`` entities, oldest
     first): a run resumed before it finished logs its model again."""
     exp_id = client.get_run(run_id).info.experiment_id

@@ -105,9 +105,9 @@ def test_run_on_the_stack_lands_in_mlflow_and_s3_and_resumes(stack, trained):
     # mlflow.pytorch model files (MLflow 3 stores logged models beside the run's artifacts): one
     # per training call that trained (the resumed one logs its new weights), none for `again`.
     assert any(k.endswith("MLmodel") for k in keys)
-    assert len(registry.logged_models_of_run(MlflowClient(stack.tracking_uri), first.mlflow_run_id)) == 2
-
     client = MlflowClient(stack.tracking_uri)
+    assert len(registry.logged_models_of_run(client, first.mlflow_run_id)) == 2
+
     run = client.get_run(first.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["tracking.storage_path"] == f"s3://{stack.bucket}/ray"
