@@ -30,6 +30,7 @@ import pytest
 import requests
 import torch
 from mlflow.tracking import MlflowClient
+from ray.util.state import list_actors
 
 from pipelines.config import load_config
 from services import runtime, sweep, training
@@ -146,8 +147,6 @@ def test_node_local_state_is_refused_before_anything_starts(multinode, tmp_path,
     # Nothing left behind: no checkpoint folder, no MLflow run, no Ray Train run on the cluster.
     assert not runs.exists()
     assert no_mlflow_runs(uri)
-    from ray.util.state import list_actors
-
     assert not list_actors(address=multinode.address, filters=[("class_name", "=", "TrainController")])
     assert not list(s3_client().list_objects_v2(Bucket="proxydml", Prefix="refused").get("Contents", []))
 
@@ -356,8 +355,11 @@ def test_submit_ships_the_working_directory_and_trains_on_both_nodes(multinode, 
         multinode.add_worker("node3")
     project = tmp_path / "project"
     project.mkdir()
-    # A recipe that exists only in the submitting folder: the job finds it on the cluster.
-    (project / "my_recipe.yaml").write_text("train: {epochs: 1, max_steps_per_epoch: 3}\nscaling: {num_workers: 4}\n")
+    # A recipe that exists only in the submitting folder: the job finds it on the cluster. Two
+    # workers of 2 CPUs on nodes of 2 CPUs: one per node (two processes fewer than 4 x 1 CPU).
+    (project / "my_recipe.yaml").write_text("train: {epochs: 1, max_steps_per_epoch: 3}\n"
+                                            f"scaling: {{num_workers: 2, cpus_per_worker: {CPUS_PER_NODE}}}\n")
+    earlier = {a.actor_id for a in _train_workers(multinode)}
     monkeypatch.chdir(project)
     dashboard = "http://" + multinode.cluster.webui_url
     capsys.readouterr()
@@ -369,7 +371,13 @@ def test_submit_ships_the_working_directory_and_trains_on_both_nodes(multinode, 
     client = MlflowClient(multinode.stack.tracking_uri)
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                filter_string="tags.ray_run_name = 'submitted'")
-    assert run.info.status == "FINISHED" and run.data.tags["workers.epoch_1"] == "4"  # 4 workers: both nodes
+    assert run.info.status == "FINISHED" and run.data.tags["workers.epoch_1"] == "2"
+    assert len({a.node_id for a in _train_workers(multinode) if a.actor_id not in earlier}) == 2  # both nodes
+
+
+def _train_workers(multinode: MultiNode) -> list[Any]:
+    """Every Ray Train worker actor the cluster has run, ended ones included."""
+    return list_actors(address=multinode.address, filters=[("class_name", "=", "RayTrainWorker")], limit=10_000)
 
 
 def test_index_build_embeds_on_both_nodes_and_matches_one_node(multinode, tmp_path):
