@@ -5,10 +5,11 @@ data cache ($PROXYDML_CACHE).
 In order, on one cluster (started once; ~7 s):
 
 1. node-local checkpoints or tracking are refused before anything starts;
-2. an elastic ``1-2`` worker run (one worker per node) reads ``data.root=s3://...`` (each node's cache filled once,
-   counted in the S3 server's request log), loses a node during epoch 2, continues on the
-   worker left with its proxies merged onto it, finishes with one complete MLflow history, and
-   ends where the same worker-count schedule replayed from checkpoints ends;
+2. an elastic ``1-2`` worker run (one worker per node) reads ``data.root=s3://...`` (each
+   node's cache filled once, counted in the S3 server's request log), loses a node during
+   epoch 2, continues on the worker left with its proxies merged onto it, finishes with one
+   complete MLflow history, and ends where the same worker-count schedule replayed from
+   checkpoints ends;
 3. a 4-trial sweep loses a node (added back first) and finishes every trial;
 4. ``proxydml submit`` ships the working directory and trains on both nodes.
 """
@@ -118,6 +119,11 @@ def multinode(stack):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _actors(multinode: MultiNode, class_name: str) -> list[Any]:
+    """Every actor of ``class_name`` the cluster has run, ended ones included."""
+    return list_actors(address=multinode.address, filters=[("class_name", "=", class_name)], limit=10_000)
+
+
 def _history(client: MlflowClient, run_id: str, key: str = "map_at_r") -> list[int]:
     return [m.step for m in client.get_metric_history(run_id, key)]
 
@@ -147,7 +153,7 @@ def test_node_local_state_is_refused_before_anything_starts(multinode, tmp_path,
     # Nothing left behind: no checkpoint folder, no MLflow run, no Ray Train run on the cluster.
     assert not runs.exists()
     assert no_mlflow_runs(uri)
-    assert not list_actors(address=multinode.address, filters=[("class_name", "=", "TrainController")])
+    assert not _actors(multinode, "TrainController")
     assert not list(s3_client().list_objects_v2(Bucket="proxydml", Prefix="refused").get("Contents", []))
 
 
@@ -362,7 +368,7 @@ def test_submit_ships_the_working_directory_and_trains_on_both_nodes(multinode, 
     # workers of 2 CPUs on nodes of 2 CPUs: one per node (two processes fewer than 4 x 1 CPU).
     (project / "my_recipe.yaml").write_text("train: {epochs: 1, max_steps_per_epoch: 3}\n"
                                             f"scaling: {{num_workers: 2, cpus_per_worker: {CPUS_PER_NODE}}}\n")
-    earlier = {a.actor_id for a in _train_workers(multinode)}
+    earlier = {a.actor_id for a in _actors(multinode, "RayTrainWorker")}
     monkeypatch.chdir(project)
     dashboard = "http://" + multinode.cluster.webui_url
     capsys.readouterr()
@@ -375,12 +381,8 @@ def test_submit_ships_the_working_directory_and_trains_on_both_nodes(multinode, 
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                filter_string="tags.ray_run_name = 'submitted'")
     assert run.info.status == "FINISHED" and run.data.tags["workers.epoch_1"] == "2"
-    assert len({a.node_id for a in _train_workers(multinode) if a.actor_id not in earlier}) == 2  # both nodes
-
-
-def _train_workers(multinode: MultiNode) -> list[Any]:
-    """Every Ray Train worker actor the cluster has run, ended ones included."""
-    return list_actors(address=multinode.address, filters=[("class_name", "=", "RayTrainWorker")], limit=10_000)
+    workers = _actors(multinode, "RayTrainWorker")
+    assert len({a.node_id for a in workers if a.actor_id not in earlier}) == 2  # both nodes
 
 
 def test_index_build_embeds_on_both_nodes_and_matches_one_node(multinode, tmp_path):
