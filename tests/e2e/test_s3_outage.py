@@ -274,7 +274,7 @@ def test_retry_upload_rides_out_an_outage_longer_than_the_client_retries(stack, 
 
 @pytest.mark.ray
 def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkpoint(
-    ray_cluster, stack, relay, monkeypatch, tmp_path, capfd, digits_config
+    ray_cluster, stack, relay, monkeypatch, tmp_path, digits_config
 ):
     # Ray storage goes through the relay; the MLflow server keeps its direct line to moto, so
     # what goes away is only the endpoint the Train workers and controller use.
@@ -336,8 +336,7 @@ def test_s3_outage_during_checkpoint_upload_is_retried_and_leaves_no_half_checkp
     # `ray logs` shows): Ray's forwarding of it to the driver runs seconds behind on a loaded
     # machine, while the file holds the line before the upload returns.
     logs = _worker_stderr()
-    with capfd.disabled():  # shown with -s: what a user saw during the outage
-        print("".join(line + "\n" for line in logs.splitlines() if cut in line))
+    print("".join(line + "\n" for line in logs.splitlines() if cut in line))  # -s: what a user saw
     assert re.search(rf"checkpoint {cut} \(rank 0\): upload attempt 1 (still running|failed)", logs), logs[-3000:]
     assert re.search(rf"checkpoint {cut} \(rank 0\): uploaded after", logs), logs[-3000:]
 
