@@ -187,9 +187,9 @@ def test_corrupt_or_missing_objects_are_named_and_never_land(s3, tmp_path, capsy
 
     s3.put_object(Bucket="data", Key="bad/train/class03/5.png", Body=(folder / "train/class03/5.png").read_bytes())
     s3.delete_object(Bucket="data", Key="bad/train/class05/2.png")
-    # A fresh cache: the first attempt's 8 transfer threads may have fetched and verified that
-    # file before the failure stopped them (how far they got depends on the machine's load), and
-    # a verified file stays cached.
+    # A fresh cache: the first attempt's transfer threads (snapshots.TRANSFER_THREADS) may have
+    # fetched and verified that file before the failure stopped them (how far they got depends on
+    # the machine's load), and a verified file stays cached.
     with pytest.raises(snapshots.SnapshotError, match="s3://data/bad: cannot download train/class05/2.png"):
         snapshots.fetch_dataset("s3://data/bad", tmp_path / "cache-missing")
 
